@@ -1,0 +1,117 @@
+"""Command line: ``polyrl train | eval | tasks``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training for language models.")
+
+
+def _fail(message: str) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+@app.command(context_settings={"allow_extra_args": False})
+def train(
+    config: Annotated[Path, typer.Argument(help="Experiment YAML.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. optim.lr=2e-5.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Run directory (default runs/<name>).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in the run dir.")] = False,
+) -> None:
+    """Train a policy with RL as the config says; evaluate held-out before and after."""
+    from polyrl.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config, overrides or [])
+    except ConfigError as exc:
+        _fail(str(exc))
+    run_dir = output or Path("runs") / cfg.name
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    from polyrl.models.loading import ModelNotFoundError
+    from polyrl.train.loop import train as run_training
+
+    def log(msg: str) -> None:
+        typer.echo(msg, err=True)
+
+    try:
+        summary = run_training(cfg, run_dir, resume=resume, log=log)
+    except (ModelNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    _print_summary(summary, run_dir)
+
+
+def _print_summary(summary: dict, run_dir: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"held-out accuracy ({run_dir})")
+    for col in ("task", "before", "after", "gain"):
+        table.add_column(col)
+    before, after = summary.get("eval_before", {}), summary.get("eval_after", {})
+    for task in sorted(set(before) | set(after)):
+        b, a = before.get(task), after.get(task)
+        gain = f"{(a - b) * 100:+.1f} pts" if a is not None and b is not None else "-"
+        table.add_row(task, _pct(b), _pct(a), gain)
+    console = Console()
+    console.print(table)
+    console.print(
+        f"{summary['steps']} steps, training {summary['train_time_s'] / 60:.1f} min, "
+        f"wall {summary['wall_time_s'] / 60:.1f} min"
+    )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.1f}%"
+
+
+@app.command("eval")
+def eval_cmd(
+    model: Annotated[str, typer.Option("--model", help="Model alias or HF directory (a checkpoint works).")],
+    task: Annotated[str, typer.Option("--task", help="reasoning-gym task name.")],
+    n: Annotated[int, typer.Option("--n", help="Number of held-out items.")] = 200,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out split.")] = 0,
+    params: Annotated[str, typer.Option("--params", help="Task params as JSON.")] = "{}",
+    prompt_suffix: Annotated[str, typer.Option("--prompt-suffix")] = "",
+    answer: Annotated[str, typer.Option("--answer", help="last_number or full.")] = "last_number",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
+    bf16: Annotated[bool, typer.Option("--bf16/--fp32")] = True,
+) -> None:
+    """Greedy held-out accuracy of a model on a task; prints a JSON object."""
+    from pydantic import ValidationError
+
+    from polyrl.config import TaskConfig
+    from polyrl.engines.hf import HFEngine
+    from polyrl.envs.reasoning_gym import ReasoningGymTask
+    from polyrl.models.loading import ModelNotFoundError, load_model, load_tokenizer
+    from polyrl.rollout.single_turn import evaluate
+
+    try:
+        task_cfg = TaskConfig(
+            name=task, params=json.loads(params), prompt_suffix=prompt_suffix, answer=answer, eval_size=n
+        )
+        env = ReasoningGymTask(task_cfg, seed)
+        engine = HFEngine(load_model(model), load_tokenizer(model), bf16=bf16)
+    except (ModelNotFoundError, ValueError, ValidationError) as exc:
+        _fail(str(exc).splitlines()[0])
+    result = evaluate(engine, env, n, max_new_tokens)
+    typer.echo(json.dumps({"model": model, "task": task, "seed": seed, **result}))
+
+
+@app.command()
+def tasks() -> None:
+    """List the available tasks."""
+    from polyrl.envs.reasoning_gym import task_names
+
+    for name in task_names():
+        typer.echo(name)
+
+
+def main() -> None:
+    app(sys.argv[1:])

