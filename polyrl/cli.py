@@ -35,6 +35,7 @@ def train(
     run_dir = output or Path("runs") / cfg.name
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     from polyrl.models.loading import ModelNotFoundError
+    from polyrl.train.loop import NonFiniteError
     from polyrl.train.loop import train as run_training
 
     def log(msg: str) -> None:
@@ -42,7 +43,7 @@ def train(
 
     try:
         summary = run_training(cfg, run_dir, resume=resume, log=log)
-    except (ModelNotFoundError, ValueError) as exc:
+    except (ModelNotFoundError, ValueError, NonFiniteError) as exc:
         _fail(str(exc))
     _print_summary(summary, run_dir)
 

@@ -97,11 +97,15 @@ class TrainConfig(_Strict):
     checkpoint_every: int = Field(0, ge=0)
     """0 saves only the final checkpoint."""
     keep_checkpoints: int = Field(2, gt=0)
+    max_skipped_updates: int = Field(3, gt=0)
+    """Stop the run after this many consecutive updates skipped for NaN/inf loss or gradients."""
 
 
 class LoggingConfig(_Strict):
     tensorboard: bool = True
     progress: bool = True
+    trajectories_per_group: int = Field(1, ge=0)
+    """How many samples of each group to store in trajectories.jsonl per step (0 stores none)."""
 
 
 class Config(_Strict):

@@ -19,11 +19,16 @@ from polyrl.data.sampler import TaskSampler
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.reasoning_gym import ReasoningGymTask
 from polyrl.models.loading import load_model, load_tokenizer
-from polyrl.observe.metrics import MetricsLogger
+from polyrl.observe.metrics import MetricsLogger, TrajectoryWriter
 from polyrl.observe.progress import TrainProgress
 from polyrl.rollout.single_turn import evaluate, rollout
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polyrl.train.learner import Learner
+from polyrl.types import Trajectory
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced NaN/inf too many times in a row."""
 
 
 @dataclass
@@ -55,8 +60,8 @@ def build_run(config: Config, run_dir: Path) -> Run:
     return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler)
 
 
-def rl_step(run: Run, step: int) -> dict[str, float]:
-    """One synchronous RL step; returns the step's metrics."""
+def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
+    """One synchronous RL step; returns the step's metrics and its scored trajectories."""
     cfg, t0 = run.config, time.perf_counter()
     # 1. sample tasks
     draws = run.sampler.draw(step, cfg.rollout.prompts_per_step)
@@ -96,7 +101,7 @@ def rl_step(run: Run, step: int) -> dict[str, float]:
         "update_time_s": t_update,
         "step_time_s": step_time,
     }
-    return metrics
+    return metrics, trajectories
 
 
 def evaluate_all(run: Run) -> dict[str, float]:
@@ -148,23 +153,33 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
             keep=config.train.keep_checkpoints,
         )
 
-    logger = MetricsLogger(run_dir, config.logging.tensorboard, resume_step=start if ckpt is not None else None)
-    step = start
+    resume_step = start if ckpt is not None else None
+    logger = MetricsLogger(run_dir, config.logging.tensorboard, resume_step)
+    samples = TrajectoryWriter(run_dir, config.logging.trajectories_per_group, resume_step)
+    step, skipped_in_row = start, 0
     budget_s = config.train.max_minutes * 60 if config.train.max_minutes else float("inf")
     try:
         with TrainProgress(config.train.steps, config.logging.progress, start) as progress:
             while step < config.train.steps and train_time < budget_s:
                 step += 1
-                metrics = rl_step(run, step)
+                metrics, trajectories = rl_step(run, step)
                 train_time += metrics["step_time_s"]
                 metrics["train_time_s"] = train_time
                 metrics.update({f"ratio/{k}": v for k, v in run.sampler.realised_ratio().items()})
                 logger.write(step, metrics)
+                samples.write(step, trajectories)
                 progress.update(step, metrics)
+                skipped_in_row = skipped_in_row + 1 if metrics["skipped_updates"] else 0
+                if skipped_in_row >= config.train.max_skipped_updates:
+                    raise NonFiniteError(
+                        f"{skipped_in_row} updates in a row had NaN/inf loss or gradients (step {step}); "
+                        f"stopping. The last good checkpoint is in {run_dir / 'checkpoints'}"
+                    )
                 if config.train.checkpoint_every and step % config.train.checkpoint_every == 0:
                     checkpoint(step)
     finally:
         logger.close()
+        samples.close()
     if ckpt is None or step > start:
         checkpoint(step)
 

@@ -1,0 +1,3 @@
+from polyrl.cli import app
+
+app()
