@@ -17,7 +17,8 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Attribute docstrings become field descriptions: docs/configuration.md is generated from them.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
 class LoraConfig(_Strict):
@@ -35,6 +36,12 @@ class ModelConfig(_Strict):
     """Run matmuls under bf16 autocast (weights and optimizer stay float32)."""
     system_prompt: str | None = None
     """Overrides the chat template's default system message when set."""
+
+
+class EngineConfig(_Strict):
+    kind: Literal["hf"] = "hf"
+    bf16_weights: bool = True
+    """Sample from a bfloat16 copy of the policy, refreshed after every update (faster decoding on CPU)."""
 
 
 class TaskConfig(_Strict):
@@ -58,18 +65,65 @@ class RolloutConfig(_Strict):
 
 
 class AlgorithmConfig(_Strict):
+    """The objective: advantage estimator, policy loss, KL, and DAPO sampling/shaping (docs/algorithms.md)."""
+
     advantage: str = "grpo"
+    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae (PPO with a critic),
+    or one registered with ``@ADVANTAGES.register``."""
+    advantage_kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for the estimator, e.g. ``{eps: 1.0e-6}`` for grpo."""
     loss: str = "ppo_clip"
+    """Policy loss: ppo_clip, dual_clip, gspo, cispo, or one registered with ``@LOSSES.register``."""
+    loss_kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for the loss, e.g. ``{c: 3.0}`` for dual_clip."""
     clip_low: float = Field(0.2, ge=0)
+    """Lower clip range: the ratio is clipped at 1 - clip_low (gspo: about 3e-4)."""
     clip_high: float = Field(0.2, ge=0)
+    """Upper clip range: 1 + clip_high; DAPO's clip-higher raises it (0.28) to keep exploration."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How token losses become one number: token-mean (DAPO), seq-mean-token-mean (GRPO, GSPO),
+    seq-mean-token-sum (Dr.GRPO)."""
     kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the initial policy; 0 is no penalty."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL penalty goes: a loss term, or -kl_coef * KL per token in the reward (then advantages are
+    per token)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman 2020): k1 = log(pi/ref), k2 = log(pi/ref)^2 / 2, k3 = ratio - 1 - log ratio."""
     track_kl: bool = True
     """Measure KL to the reference even when kl_coef is 0 (one extra no-grad forward per step)."""
     entropy_coef: float = 0.0
+    """Entropy bonus weight (positive rewards higher entropy)."""
     epochs: int = Field(1, gt=0)
     """Optimisation passes over each rollout batch; 1 is strictly on-policy."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount for GAE (advantage: gae)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda (advantage: gae): 1 is Monte-Carlo returns minus the value, 0 is one-step TD."""
+    value_lr: float = Field(1e-3, gt=0)
+    """Learning rate of the value head (advantage: gae); it learns from scratch, so faster than the policy."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """PPO value clipping range (advantage: gae); null is the plain squared error."""
+    value_width: int = Field(128, gt=0)
+    """Hidden width of the value head's MLP (advantage: gae)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts to refill."""
+    max_extra_rounds: int = Field(3, ge=0)
+    """With dynamic_sampling, at most this many extra rollout rounds per step."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO soft overlong penalty over the last this-many tokens before rollout.max_new_tokens; 0 is off."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Scale of the overlong penalty (it ramps from 0 to -overlong_penalty)."""
+    mask_truncated: bool = False
+    """Leave samples cut off at max_new_tokens out of the loss (DAPO overlong filtering)."""
+
+    @model_validator(mode="after")
+    def _check_algorithm(self) -> AlgorithmConfig:
+        # Imported here: registries import torch-heavy modules that config users may not need.
+        from polyrl.algorithms.validate import check_algorithm
+
+        check_algorithm(self)
+        return self
 
 
 class OptimConfig(_Strict):
@@ -103,14 +157,44 @@ class TrainConfig(_Strict):
 
 class LoggingConfig(_Strict):
     tensorboard: bool = True
+    """Write TensorBoard event files to RUN_DIR/tensorboard."""
     progress: bool = True
+    """Show a progress bar on stderr."""
     trajectories_per_group: int = Field(1, ge=0)
     """How many samples of each group to store in trajectories.jsonl per step (0 stores none)."""
+    report: bool = True
+    """Write RUN_DIR/report.html when training ends (``polyrl report RUN_DIR`` rebuilds it)."""
+    mlflow: bool = False
+    """Also log metrics and the config to MLflow (``pip install 'polyrl[mlflow]'``)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI; default ``file:RUN_DIR/mlruns``, a local file store."""
+    mlflow_experiment: str | None = None
+    """MLflow experiment name; defaults to the config's ``name``."""
+    wandb: bool = False
+    """Also log metrics and the config to Weights & Biases (``pip install 'polyrl[wandb]'``)."""
+    wandb_project: str = "polyrl"
+    wandb_entity: str | None = None
+    wandb_mode: Literal["online", "offline"] | None = None
+    """``offline`` writes under RUN_DIR/wandb without network; unset follows wandb's own setting."""
+
+    @model_validator(mode="after")
+    def _check_optional_sinks(self) -> LoggingConfig:
+        # Checked up front (cheaply, without importing) so a missing package fails before any training.
+        from importlib.util import find_spec
+
+        for key, module, extra in (("mlflow", "mlflow", "mlflow"), ("wandb", "wandb", "wandb")):
+            if getattr(self, key) and find_spec(module) is None:
+                raise ValueError(
+                    f"logging.{key}: {module} is not installed; "
+                    f"pip install 'polyrl[{extra}]' or set {key}: false"
+                )
+        return self
 
 
 class Config(_Strict):
     name: str = "run"
     model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
     tasks: list[TaskConfig] = Field(min_length=1)
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
@@ -122,13 +206,20 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _check_names(self) -> Config:
         # Imported here: registries import torch-heavy modules that config users may not need.
-        from polyrl.algorithms import ADVANTAGES, LOSSES
         from polyrl.envs.reasoning_gym import check_task_name
 
         for i, task in enumerate(self.tasks):
             check_task_name(task.name, key=f"tasks.{i}.name")
-        ADVANTAGES.check(self.algorithm.advantage, key="algorithm.advantage")
-        LOSSES.check(self.algorithm.loss, key="algorithm.loss")
+        algo, rollout = self.algorithm, self.rollout
+        if algo.overlong_buffer > rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer: {algo.overlong_buffer} is longer than "
+                f"rollout.max_new_tokens ({rollout.max_new_tokens})"
+            )
+        if algo.dynamic_sampling and rollout.group_size < 2:
+            raise ValueError(
+                "algorithm.dynamic_sampling: needs rollout.group_size >= 2 (a group of one never varies)"
+            )
         return self
 
 

@@ -7,12 +7,14 @@ instead of being decoded further as padding.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from polyrl.models.forward import forward_logits
+from polyrl.models.forward import decoder_forward
 
 
 @dataclass
@@ -45,12 +47,49 @@ def sample_tokens(
 
 
 class HFEngine:
-    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, bf16: bool = True) -> None:
-        self.model = model
+    """Samples from ``policy``.
+
+    With ``bf16_weights`` the engine keeps its own bfloat16 copy of the policy (and a float32 copy of the
+    output head), refreshed by ``sync()`` after each update: decoding reads half the bytes per token, which
+    is what bounds it on a CPU. Without it, the engine samples from the policy's own weights (under bf16
+    autocast when ``bf16``) and ``sync()`` has nothing to do.
+    """
+
+    def __init__(
+        self,
+        policy: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        bf16: bool = True,
+        bf16_weights: bool = False,
+    ) -> None:
+        self.policy = policy
         self.tokenizer = tokenizer
-        self.bf16 = bf16
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id}
+        self.head_weight: torch.Tensor | None = None
+        if bf16_weights:
+            self.model = copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False)
+            self.head_weight = policy.get_output_embeddings().weight.detach().clone()
+            self.bf16 = False  # weights are already bf16; autocast would only add casts
+        else:
+            self.model = policy
+            self.bf16 = bf16
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """Copy the policy's current weights into the engine (a no-op when they are shared)."""
+        if self.model is self.policy:
+            return
+        for dst, src in zip(self.model.parameters(), self.policy.parameters(), strict=True):
+            dst.copy_(src)
+        self.head_weight.copy_(self.policy.get_output_embeddings().weight)
+
+    def _last_logits(self, input_ids, mask, positions, cache):
+        hidden, cache = decoder_forward(self.model, input_ids, mask, positions, self.bf16, cache, use_cache=True)
+        hidden = hidden[:, -1].float()
+        if self.head_weight is not None:
+            return F.linear(hidden, self.head_weight), cache
+        return self.model.get_output_embeddings()(hidden), cache
 
     @torch.no_grad()
     def generate(
@@ -81,8 +120,7 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         generator = torch.Generator().manual_seed(seed)
 
-        logits, cache = forward_logits(self.model, input_ids, mask, positions, 1, self.bf16, use_cache=True)
-        logits = logits[:, -1]
+        logits, cache = self._last_logits(input_ids, mask, positions, None)
         if n > 1:
             # One prefill per prompt; its KV cache is shared by the group's samples.
             cache.batch_repeat_interleave(n)
@@ -113,9 +151,6 @@ class HFEngine:
                 cache.batch_select_indices(keep)
                 rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
-            logits, cache = forward_logits(
-                self.model, tok[:, None], mask, next_pos[:, None], 1, self.bf16, past_key_values=cache, use_cache=True
-            )
-            logits = logits[:, -1]
+            logits, cache = self._last_logits(tok[:, None], mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
         return [Completion(tokens[i], logps[i], finished[i]) for i in range(total)]

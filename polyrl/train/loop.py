@@ -19,8 +19,9 @@ from polyrl.data.sampler import TaskSampler
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.reasoning_gym import ReasoningGymTask
 from polyrl.models.loading import load_model, load_tokenizer
-from polyrl.observe.metrics import MetricsLogger, TrajectoryWriter
+from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
 from polyrl.observe.progress import TrainProgress
+from polyrl.observe.report import write_report_safely
 from polyrl.rollout.single_turn import evaluate, rollout
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polyrl.train.learner import Learner
@@ -52,7 +53,7 @@ def build_run(config: Config, run_dir: Path) -> Run:
     tasks = {
         t.name: ReasoningGymTask(t, config.train.seed, config.model.system_prompt) for t in config.tasks
     }
-    engine = HFEngine(model, tokenizer, bf16=config.model.bf16)
+    engine = HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=config.engine.bf16_weights)
     learner = Learner(
         model, config.algorithm, config.optim, config.rollout.temperature, config.model.bf16, engine.pad_id
     )
@@ -78,9 +79,11 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
     advantages = ADVANTAGES[cfg.algorithm.advantage](rewards, groups)
     for t, a in zip(trajectories, advantages.tolist(), strict=True):
         t.advantage = a
-    # 5. loss and 6. update; 7. the local engine shares the learner's weights, so there is nothing to sync
+    # 5. loss and 6. update
     t1 = time.perf_counter()
     update = run.learner.update(trajectories)
+    # 7. sync weights into the engine
+    run.engine.sync()
     t_update = time.perf_counter() - t1
     # 8. log
     step_time = time.perf_counter() - t0
@@ -134,6 +137,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         log(f"{run_dir}: no usable checkpoint to resume from; starting from step 0")
     if ckpt is not None:
         optimizer_state, state = load_checkpoint(ckpt, run.model)
+        run.engine.sync()
         run.learner.optimizer.load_state_dict(optimizer_state["optimizer"])
         run.learner.scheduler.load_state_dict(optimizer_state["scheduler"])
         run.sampler.load_state_dict(state["sampler"])
@@ -154,7 +158,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         )
 
     resume_step = start if ckpt is not None else None
-    logger = MetricsLogger(run_dir, config.logging.tensorboard, resume_step)
+    logger = open_metrics_logger(config, run_dir, resume_step)
     samples = TrajectoryWriter(run_dir, config.logging.trajectories_per_group, resume_step)
     step, skipped_in_row = start, 0
     budget_s = config.train.max_minutes * 60 if config.train.max_minutes else float("inf")
@@ -192,4 +196,6 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         steps=step, train_time_s=train_time, wall_time_s=summary.get("wall_time_s", 0.0) + time.perf_counter() - wall0
     )
     _write_json(summary_path, summary)
+    if config.logging.report:
+        write_report_safely(run_dir, log)
     return summary
