@@ -61,7 +61,10 @@ def rollout(
 def evaluate(
     engine: HFEngine, task: ReasoningGymTask, n: int | None, max_new_tokens: int, batch_size: int = 64
 ) -> dict[str, float]:
-    """Greedy accuracy on the task's held-out items (the same items for every call with the same seed)."""
+    """Greedy accuracy on the task's held-out items (the same items for every call with the same seed).
+
+    ``accuracy`` counts fully correct replies (score 1); ``mean_score`` keeps the scorer's partial credit.
+    """
     items = task.eval_items(n)
     scores, lengths = [], []
     for start in range(0, len(items), batch_size):
@@ -71,7 +74,8 @@ def evaluate(
             scores.append(task.score(item, engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)))
             lengths.append(len(c.token_ids))
     return {
-        "accuracy": sum(scores) / max(len(scores), 1),
+        "accuracy": sum(s >= 1.0 for s in scores) / max(len(scores), 1),
+        "mean_score": sum(scores) / max(len(scores), 1),
         "n": len(scores),
         "response_length": sum(lengths) / max(len(lengths), 1),
     }
