@@ -1,7 +1,8 @@
-"""Advantage estimators: pure functions of per-sample rewards and group ids.
+"""Outcome advantage estimators: pure functions of per-sample rewards and group ids.
 
-Each takes ``rewards`` (shape [N]) and ``group_ids`` (shape [N], equal ids = samples of the same prompt)
-and returns one scalar advantage per sample, broadcast over its tokens by the loss.
+Every estimator shares one signature, ``(rewards [N], group_ids [N], **kwargs) -> advantages [N]``: equal ids
+are samples of the same prompt, and each sample's scalar advantage is broadcast over its tokens by the loss.
+Per-token advantages (PPO with a critic) live in ``polyrl.algorithms.gae``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from polyrl.algorithms.registry import Registry
 ADVANTAGES = Registry("advantage estimator")
 
 
-def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_stats(
+    rewards: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-sample group mean, unbiased group std and group size (scatter over ids, no Python loops)."""
     _, inverse = torch.unique(group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if inverse.numel() else 0
@@ -26,6 +29,13 @@ def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.
     return mean[inverse], std[inverse], count[inverse]
 
 
+def _batch_whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - mean) / (std + eps) over the whole batch, population std (REINFORCE++'s global normalisation)."""
+    if x.numel() == 0:
+        return x
+    return (x - x.mean()) / (x.std(correction=0) + eps)
+
+
 @ADVANTAGES.register("grpo")
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4) -> torch.Tensor:
     """GRPO (Shao et al. 2024, DeepSeekMath, Eq. 3 outcome supervision): A_i = (r_i - mean_g) / (std_g + eps).
@@ -34,3 +44,67 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float =
     """
     mean, std, _ = _group_stats(rewards, group_ids)
     return ((rewards.double() - mean) / (std + eps)).to(rewards.dtype)
+
+
+@ADVANTAGES.register("dr_grpo")
+def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", the Dr.GRPO objective):
+    A_i = r_i - mean_g.
+
+    This is the "no std normalisation" half of Dr.GRPO: dividing by the group std up-weights prompts that are
+    almost always solved or almost never solved. The other half, "no length normalisation", is the loss
+    aggregation: pair this estimator with ``algorithm.loss_agg: seq-mean-token-sum`` so each sequence's token
+    losses are summed, not averaged over its length (the paper divides by a constant instead, which differs
+    only by a constant factor that Adam and gradient clipping make immaterial).
+    """
+    mean, _, _ = _group_stats(rewards, group_ids)
+    return (rewards.double() - mean).to(rewards.dtype)
+
+
+@ADVANTAGES.register("rloo")
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """RLOO (Ahmadian et al. 2024, "Back to Basics", the RLOO estimator; Kool et al. 2019):
+    A_i = r_i - mean_{j != i} r_j.
+
+    The leave-one-out baseline equals G/(G-1) * (r_i - mean_g) for a group of size G. A group of one sample
+    has no other sample to form a baseline from, so its advantage is 0.
+    """
+    mean, _, count = _group_stats(rewards, group_ids)
+    scale = torch.where(count > 1, count / (count - 1).clamp(min=1), torch.zeros_like(count))
+    return (scale * (rewards.double() - mean)).to(rewards.dtype)
+
+
+@ADVANTAGES.register("reinforce_pp")
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4
+) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, "REINFORCE++", global advantage normalisation): A_i = (r_i - mean_B) / std_B.
+
+    No critic and no per-prompt baseline: the outcome reward is normalised over the whole batch B (population
+    std). ``group_ids`` is unused; it is part of the common signature.
+    """
+    del group_ids
+    return _batch_whiten(rewards.double(), eps).to(rewards.dtype)
+
+
+@ADVANTAGES.register("reinforce_pp_baseline")
+def reinforce_pp_baseline_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4
+) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu 2025, the group-baseline variant): subtract the group mean, then
+    normalise over the batch: A_i = (a_i - mean_B(a)) / std_B(a) with a_i = r_i - mean_g.
+
+    Unlike GRPO, the scale comes from the whole batch, so a group with a small reward spread is not blown up.
+    """
+    mean, _, _ = _group_stats(rewards, group_ids)
+    return _batch_whiten(rewards.double() - mean, eps).to(rewards.dtype)
+
+
+@ADVANTAGES.register("gae")
+def gae_terminal_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """PPO with a critic (Schulman et al. 2016 GAE, Eq. 16): the per-token advantages need the value head, so
+    the learner computes them (``polyrl.algorithms.gae``). At the sample level this passes the outcome reward
+    through unchanged; the learner places it on each sequence's last token as the return to propagate.
+    """
+    del group_ids
+    return rewards.clone()

@@ -20,3 +20,17 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3
         log_ratio = log_ratio.clamp(-20, 20)
         return torch.exp(log_ratio) - 1 - log_ratio
     raise ValueError(f"unknown KL estimator '{estimator}'")
+
+
+def kl_penalty_to_go(kl: torch.Tensor, mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """KL in the reward (Ouyang et al. 2022, InstructGPT Eq. 2, per token as in Stiennon et al. 2020): each
+    token's reward gets -coef * KL_t, so with gamma = 1 the return from token t changes by
+    -coef * sum_{s >= t} KL_s.
+
+    Returns that change [B, T] (0 on masked positions), to add to per-sequence advantages broadcast over the
+    tokens. ``kl`` is the per-token estimate under the behaviour policy; no gradient flows through it.
+    """
+    m = mask.to(kl.dtype)
+    per_token = kl.detach() * m
+    to_go = per_token.flip(-1).cumsum(-1).flip(-1)
+    return -coef * to_go * m

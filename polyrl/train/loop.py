@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
-from polyrl.algorithms import ADVANTAGES
+from polyrl.algorithms.shaping import assign_advantages, shape_rewards
 from polyrl.config import Config, dump_config
+from polyrl.data.dynamic_sampling import dynamic_sample
 from polyrl.data.sampler import TaskSampler
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.reasoning_gym import ReasoningGymTask
@@ -61,41 +62,50 @@ def build_run(config: Config, run_dir: Path) -> Run:
     return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler)
 
 
-def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
-    """One synchronous RL step; returns the step's metrics and its scored trajectories."""
-    cfg, t0 = run.config, time.perf_counter()
-    # 1. sample tasks
-    draws = run.sampler.draw(step, cfg.rollout.prompts_per_step)
+def _sample_round(run: Run, step: int, round_index: int, n_prompts: int, first_id: int) -> list[Trajectory]:
+    """Draw ``n_prompts`` tasks, roll out and score a group each (the sampling policy is version step - 1)."""
+    cfg = run.config
+    draws = run.sampler.draw(step, n_prompts)
     requests = [(run.tasks[d.task], d.index, run.tasks[d.task].train_item(d.index)) for d in draws]
-    # 2. roll out and 3. score (the policy that samples is version step - 1)
-    trajectories = rollout(
+    # Round 0 keeps the step's seed; extra dynamic-sampling rounds need fresh samples, so fresh seeds.
+    seed = cfg.train.seed * 1_000_003 + step + round_index * 1_000_000_007
+    return rollout(
         run.engine, requests, cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.rollout.temperature,
-        cfg.rollout.top_p, seed=cfg.train.seed * 1_000_003 + step, version=step - 1,
+        cfg.rollout.top_p, seed=seed, version=step - 1, first_group_id=first_id,
     )
+
+
+def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
+    """One synchronous RL step; returns the step's metrics and the scored trajectories it trained on."""
+    cfg, algo, t0 = run.config, run.config.algorithm, time.perf_counter()
+    # 1. sample tasks, 2. roll out and 3. score; DAPO dynamic sampling swaps zero-variance groups for new ones
+    batch = dynamic_sample(
+        lambda k, n, first_id: _sample_round(run, step, k, n, first_id),
+        cfg.rollout.prompts_per_step, algo.dynamic_sampling, algo.max_extra_rounds,
+    )
+    sampled, trajectories = batch.sampled, batch.kept
     t_rollout = time.perf_counter() - t0
-    # 4. advantages
-    rewards = torch.tensor([t.reward for t in trajectories])
-    groups = torch.tensor([t.group_id for t in trajectories])
-    advantages = ADVANTAGES[cfg.algorithm.advantage](rewards, groups)
-    for t, a in zip(trajectories, advantages.tolist(), strict=True):
-        t.advantage = a
+    # 4. reward shaping and advantages
+    shaping = shape_rewards(sampled, algo, cfg.rollout.max_new_tokens)
+    assign_advantages(trajectories, algo)
     # 5. loss and 6. update
     t1 = time.perf_counter()
     update = run.learner.update(trajectories)
     # 7. sync weights into the engine
     run.engine.sync()
     t_update = time.perf_counter() - t1
-    # 8. log
+    # 8. log (reward and length over everything sampled: the policy's performance, not the filtered batch)
     step_time = time.perf_counter() - t0
-    generated = sum(t.num_model_tokens for t in trajectories)
-    group_std = rewards.view(-1, cfg.rollout.group_size).std(dim=1) if cfg.rollout.group_size > 1 else rewards
+    generated = sum(t.num_model_tokens for t in sampled)
     metrics: dict[str, Any] = {
-        "reward/mean": float(rewards.mean()),
-        **{f"reward/{name}": mean(t.reward for t in trajectories if t.task == name)
-           for name in sorted({t.task for t in trajectories})},
-        "response_length/mean": generated / len(trajectories),
-        "truncated_frac": mean(float(t.truncated) for t in trajectories),
-        "zero_variance_groups": float((group_std == 0).float().mean()),
+        "reward/mean": mean(t.reward for t in sampled),
+        **{f"reward/{name}": mean(t.reward for t in sampled if t.task == name)
+           for name in sorted({t.task for t in sampled})},
+        **shaping,
+        "response_length/mean": generated / len(sampled),
+        "truncated_frac": mean(float(t.truncated) for t in sampled),
+        "zero_variance_groups": batch.zero_variance_groups,
+        **batch.metrics(),
         **update,
         "tokens_per_s": generated / step_time,
         "rollout/tokens_per_s": generated / t_rollout,

@@ -1,0 +1,61 @@
+"""Up-front checks of ``algorithm.*``: names exist in the registries and their keyword arguments fit.
+
+A wrong keyword or value fails at config load with one line naming the key, not at step 1 of a long run.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from polyrl.algorithms.advantages import ADVANTAGES
+from polyrl.algorithms.losses import LOSSES
+
+# Arguments the framework passes itself; a kwargs entry may not override them.
+LOSS_ARGS = ("logp", "old_logp", "advantages", "mask", "clip_low", "clip_high", "agg", "num_tokens")
+ADVANTAGE_ARGS = ("rewards", "group_ids")
+
+
+def check_kwargs(
+    fn: Callable, kwargs: dict[str, Any], reserved: tuple[str, ...], key: str, what: str
+) -> None:
+    """Every entry of ``kwargs`` must be a keyword parameter of ``fn`` that the framework does not set."""
+    params = inspect.signature(fn).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    own = [n for n, p in params.items() if n not in reserved and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    for name in kwargs:
+        if name in reserved:
+            raise ValueError(f"{key}.{name}: set by the framework, not by {key}")
+        if name not in own and not takes_any:
+            valid = ", ".join(own) or "none"
+            raise ValueError(f"{key}.{name}: not a parameter of {what}; its parameters: {valid}")
+
+
+def _probe(
+    fn: Callable, args: tuple, common: dict[str, Any], kwargs: dict[str, Any], key: str, what: str
+) -> None:
+    """Call the function once on a tiny example so a bad value (e.g. dual_clip c <= 1) fails now."""
+    try:
+        fn(*args, **common, **kwargs)
+    except Exception as exc:  # any failure here is a config problem, reported on one line
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{key}: {what} rejected {kwargs}: {detail}") from None
+
+
+def check_algorithm(algo: Any) -> None:
+    """Validate an ``AlgorithmConfig``; raise ValueError with a one-line message naming the key."""
+    ADVANTAGES.check(algo.advantage, key="algorithm.advantage")
+    LOSSES.check(algo.loss, key="algorithm.loss")
+    adv_fn, loss_fn = ADVANTAGES[algo.advantage], LOSSES[algo.loss]
+    adv_what, loss_what = f"advantage estimator '{algo.advantage}'", f"policy loss '{algo.loss}'"
+    check_kwargs(adv_fn, algo.advantage_kwargs, ADVANTAGE_ARGS, "algorithm.advantage_kwargs", adv_what)
+    check_kwargs(loss_fn, algo.loss_kwargs, LOSS_ARGS, "algorithm.loss_kwargs", loss_what)
+    rewards, groups = torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    _probe(adv_fn, (rewards, groups), {}, algo.advantage_kwargs, "algorithm.advantage_kwargs", adv_what)
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
+    loss_args = (logp, logp - 0.1, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
+    common = {"clip_low": algo.clip_low, "clip_high": algo.clip_high, "agg": algo.loss_agg, "num_tokens": 4.0}
+    _probe(loss_fn, loss_args, common, algo.loss_kwargs, "algorithm.loss_kwargs", loss_what)

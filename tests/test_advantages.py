@@ -1,0 +1,135 @@
+"""Advantage estimators and GAE against small examples worked out by hand."""
+
+import math
+
+import pytest
+import torch
+
+from polyrl.algorithms import ADVANTAGES
+from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
+from polyrl.algorithms.kl import kl_penalty_to_go
+
+R = torch.tensor([1.0, 0.0, 0.0, 1.0])
+ONE_GROUP = torch.tensor([0, 0, 0, 0])
+
+
+def close(got: torch.Tensor, want: list[float], tol: float = 1e-6) -> None:
+    assert got.shape == (len(want),)
+    expected = torch.tensor(want, dtype=torch.float64)
+    assert torch.allclose(got.double(), expected, atol=tol), (got.tolist(), want)
+
+
+def test_grpo_divides_by_unbiased_group_std():
+    # mean 0.5; unbiased std = sqrt((4 * 0.25) / 3) = 1/sqrt(3); (1 - 0.5) * sqrt(3) = 0.866025
+    a = math.sqrt(3) / 2
+    close(ADVANTAGES["grpo"](R, ONE_GROUP, eps=0.0), [a, -a, -a, a])
+
+
+def test_dr_grpo_only_subtracts_the_group_mean():
+    # groups {1, 0} and {0, 0.5}: means 0.5 and 0.25
+    r = torch.tensor([1.0, 0.0, 0.0, 0.5])
+    close(ADVANTAGES["dr_grpo"](r, torch.tensor([0, 0, 1, 1])), [0.5, -0.5, -0.25, 0.25])
+
+
+def test_rloo_uses_the_mean_of_the_other_samples():
+    # r_0 = 1, others' mean (0 + 0 + 1) / 3 = 1/3 -> 2/3; r_1 = 0, others' mean 2/3 -> -2/3
+    close(ADVANTAGES["rloo"](R, ONE_GROUP), [2 / 3, -2 / 3, -2 / 3, 2 / 3])
+
+
+def test_rloo_two_groups_and_a_singleton():
+    # group 0: {3, 1} -> 3 - 1 = 2 and 1 - 3 = -2; group 1 has one sample: no baseline, advantage 0
+    r = torch.tensor([3.0, 1.0, 5.0])
+    close(ADVANTAGES["rloo"](r, torch.tensor([7, 7, 9])), [2.0, -2.0, 0.0])
+
+
+def test_reinforce_pp_normalises_over_the_batch_not_the_group():
+    # batch mean 0.5, population std 0.5 -> [1, -1, -1, 1], whatever the groups are
+    close(ADVANTAGES["reinforce_pp"](R, torch.tensor([0, 0, 1, 1]), eps=0.0), [1.0, -1.0, -1.0, 1.0])
+    # rewards [2, 0, 0, 0]: mean 0.5, pop std sqrt((2.25 + 3 * 0.25) / 4) = sqrt(0.75)
+    s = math.sqrt(0.75)
+    got = ADVANTAGES["reinforce_pp"](torch.tensor([2.0, 0.0, 0.0, 0.0]), ONE_GROUP, eps=0.0)
+    close(got, [1.5 / s, -0.5 / s, -0.5 / s, -0.5 / s])
+
+
+def test_reinforce_pp_baseline_subtracts_group_mean_then_batch_normalises():
+    # groups {1, 0} and {1, 1}: minus group means -> [0.5, -0.5, 0, 0]; batch mean 0, pop std sqrt(0.125)
+    r = torch.tensor([1.0, 0.0, 1.0, 1.0])
+    s = math.sqrt(0.125)
+    got = ADVANTAGES["reinforce_pp_baseline"](r, torch.tensor([0, 0, 1, 1]), eps=0.0)
+    close(got, [0.5 / s, -0.5 / s, 0.0, 0.0])
+    # GRPO would give the same groups [0.707, -0.707, 0, 0]: the scale differs, the sign pattern not
+    assert torch.equal(torch.sign(got), torch.sign(ADVANTAGES["grpo"](r, torch.tensor([0, 0, 1, 1]))))
+
+
+def test_every_estimator_keeps_shape_and_dtype():
+    for name in ADVANTAGES.names():
+        out = ADVANTAGES[name](R, ONE_GROUP)
+        assert out.shape == R.shape and out.dtype == R.dtype, name
+        assert torch.isfinite(out).all(), name
+
+
+def test_gae_lambda_one_is_return_minus_value():
+    # rewards [0, 0, 1], V = 0.5 everywhere, gamma = lam = 1: deltas [0, 0, 0.5] -> A = [0.5, 0.5, 0.5]
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.full((1, 3), 0.5)
+    close(gae(r, v, torch.ones(1, 3), gamma=1.0, lam=1.0)[0], [0.5, 0.5, 0.5])
+
+
+def test_gae_with_lambda_and_gamma():
+    # lam = 0.5, gamma = 1: A_2 = 0.5, A_1 = 0 + 0.5 * 0.5 = 0.25, A_0 = 0.125
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.full((1, 3), 0.5)
+    close(gae(r, v, torch.ones(1, 3), gamma=1.0, lam=0.5)[0], [0.125, 0.25, 0.5])
+    # gamma = 0.5, lam = 1, V = 0: A_2 = 1, A_1 = 0.5 * 1 = 0.5, A_0 = 0.25 (discounted return)
+    close(gae(r, torch.zeros(1, 3), torch.ones(1, 3), gamma=0.5, lam=1.0)[0], [0.25, 0.5, 1.0])
+
+
+def test_gae_skips_masked_positions():
+    # tokens at 0, 2 (position 1 is an env token, 3 is padding): the step after 0 is 2.
+    # V = [1, 9, 2, 9]; r_2 = 3. delta_2 = 3 - 2 = 1; delta_0 = 0 + V_2 - V_0 = 1; lam = 1: A_0 = 2.
+    r = torch.tensor([[0.0, 5.0, 3.0, 0.0]])
+    v = torch.tensor([[1.0, 9.0, 2.0, 9.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
+    close(gae(r, v, mask, gamma=1.0, lam=1.0)[0], [2.0, 0.0, 1.0, 0.0])
+
+
+def test_terminal_rewards_land_on_the_last_valid_token():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    out = terminal_rewards(torch.tensor([2.0, -1.0, 5.0]), mask)
+    assert out.tolist() == [[0.0, 2.0, 0.0], [0.0, 0.0, -1.0], [0.0, 0.0, 0.0]]
+
+
+def test_value_loss_clips_like_ppo():
+    # old V 0, new V 1, return 2, clip 0.2: unclipped err (1-2)^2 = 1, clipped V 0.2 -> (0.2-2)^2 = 3.24
+    # max = 3.24, loss = 0.5 * 3.24 = 1.62
+    v = torch.tensor([[1.0]], requires_grad=True)
+    loss, m = value_loss(v, torch.zeros(1, 1), torch.full((1, 1), 2.0), torch.ones(1, 1), clip=0.2)
+    assert loss.item() == pytest.approx(1.62)
+    assert m["value/clip_frac"] == 1.0
+    loss.backward()
+    assert v.grad.item() == 0.0  # the clipped branch is constant in V
+    plain, _ = value_loss(v, torch.zeros(1, 1), torch.full((1, 1), 2.0), torch.ones(1, 1), clip=None)
+    assert plain.item() == pytest.approx(0.5)
+
+
+def test_value_head_starts_at_zero_and_learns():
+    torch.manual_seed(0)
+    head = ValueHead(4, width=8)
+    h = torch.randn(3, 5, 4)
+    assert torch.equal(head(h), torch.zeros(3, 5))
+    target = torch.ones(3, 5)
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    for _ in range(100):
+        opt.zero_grad()
+        loss, _ = value_loss(head(h), torch.zeros(3, 5), target, torch.ones(3, 5), clip=None)
+        loss.backward()
+        opt.step()
+    assert (head(h) - target).abs().max() < 0.1
+
+
+def test_kl_in_reward_is_a_reward_to_go():
+    # KL per token [0.1, 0.2, 0.3, (pad)], coef 2: to-go sums [0.6, 0.5, 0.3, 0]
+    # -> penalties [-1.2, -1.0, -0.6, 0]
+    kl = torch.tensor([[0.1, 0.2, 0.3, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    close(kl_penalty_to_go(kl, mask, coef=2.0)[0], [-1.2, -1.0, -0.6, 0.0])

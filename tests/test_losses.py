@@ -1,0 +1,191 @@
+"""Policy losses against hand-worked numbers, and a user-registered loss used from config."""
+
+import math
+
+import pytest
+import torch
+from conftest import SMOKE
+
+from polyrl.algorithms import LOSSES, aggregate
+from polyrl.algorithms.losses import ppo_clip_loss
+from polyrl.config import AlgorithmConfig, ConfigError, OptimConfig, load_config
+from polyrl.models.loading import tiny_random_model
+from polyrl.train.learner import Learner
+from polyrl.types import Trajectory
+
+LOG15 = math.log(1.5)
+BUILT_IN = ["ppo_clip", "dual_clip", "gspo", "cispo"]
+
+
+def one_token(ratio: float, adv: float):
+    """A batch of one sequence with one token whose importance ratio is ``ratio``; logp is a leaf."""
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    old = torch.tensor([[-math.log(ratio)]])
+    return logp, old, torch.tensor([adv]), torch.ones(1, 1)
+
+
+def test_aggregation_modes():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    assert aggregate(per_token, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert aggregate(per_token, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert aggregate(per_token, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    assert aggregate(per_token, mask, "token-mean", num_tokens=8).item() == pytest.approx(10 / 8)
+
+
+def test_ppo_clip_clips_the_good_side_and_keeps_the_bad_side():
+    # ratio 1.5, A = +1: min(1.5, 1.2) = 1.2 -> loss -1.2, clipped, no gradient
+    logp, old, adv, mask = one_token(1.5, 1.0)
+    loss, m = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)
+    assert loss.item() == pytest.approx(-1.2) and m["clip_frac"] == 1.0
+    loss.backward()
+    assert logp.grad.item() == 0.0
+    # ratio 1.5, A = -1: min(-1.5, -1.2) = -1.5 -> loss 1.5, not clipped, d loss / d logp = -A * ratio = 1.5
+    logp, old, adv, mask = one_token(1.5, -1.0)
+    loss, m = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)
+    assert loss.item() == pytest.approx(1.5) and m["clip_frac"] == 0.0
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(1.5)
+
+
+def test_clip_higher_is_asymmetric():
+    # ratio 1.25, A = +1: clip_high 0.28 leaves it alone (loss -1.25), clip_high 0.2 clips it (-1.2)
+    logp, old, adv, mask = one_token(1.25, 1.0)
+    assert ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28)[0].item() == pytest.approx(-1.25)
+    assert ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)[0].item() == pytest.approx(-1.2)
+
+
+def test_dual_clip_bounds_negative_advantage_losses():
+    dual = LOSSES["dual_clip"]
+    # ratio 5, A = -1, c = 3: PPO objective min(-5, -1.2) = -5; floor c*A = -3 -> objective -3, loss 3,
+    # and no gradient
+    logp, old, adv, mask = one_token(5.0, -1.0)
+    loss, m = dual(logp, old, adv, mask, 0.2, 0.2, c=3.0)
+    assert loss.item() == pytest.approx(3.0) and m["dual_clip_frac"] == 1.0
+    loss.backward()
+    assert logp.grad.item() == 0.0
+    assert ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)[0].item() == pytest.approx(5.0)  # plain PPO: 5
+    # ratio 2, A = -1: objective -2 is above the floor -3 -> loss 2, gradient as in PPO (-A * ratio = 2)
+    logp, old, adv, mask = one_token(2.0, -1.0)
+    loss, m = dual(logp, old, adv, mask, 0.2, 0.2, c=3.0)
+    assert loss.item() == pytest.approx(2.0) and m["dual_clip_frac"] == 0.0
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(2.0)
+    # positive advantages are untouched: ratio 5, A = +1 -> PPO's -1.2
+    logp, old, adv, mask = one_token(5.0, 1.0)
+    assert dual(logp, old, adv, mask, 0.2, 0.2, c=3.0)[0].item() == pytest.approx(-1.2)
+
+
+def test_gspo_uses_the_length_normalised_sequence_ratio():
+    gspo = LOSSES["gspo"]
+    # logp - old = [log 2, 0, (pad: log 100)] -> s = exp(log 2 / 2) = sqrt(2); A = 1
+    logp = torch.tensor([[0.0, 0.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[-math.log(2.0), 0.0, -math.log(100.0)]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0])
+    loss, m = gspo(logp, old, adv, mask, 0.5, 0.5, agg="seq-mean-token-mean")
+    assert loss.item() == pytest.approx(-math.sqrt(2))  # inside [0.5, 1.5]: unclipped
+    assert m["ratio/mean"] == pytest.approx(math.sqrt(2)) and m["ratio/max"] == pytest.approx(math.sqrt(2))
+    loss.backward()
+    # d(-s A)/d logp_t = -s / |y| on each valid token, 0 on the pad
+    assert logp.grad[0].tolist() == pytest.approx([-math.sqrt(2) / 2, -math.sqrt(2) / 2, 0.0])
+    # the same number from the sequence-level formula directly
+    seq = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    (-torch.exp((seq - old[:, :2]).mean())).backward()
+    assert logp.grad[0, :2].tolist() == pytest.approx(seq.grad[0].tolist())
+    # with the paper-sized range it clips: s = 1.414 > 1 + 4e-4 -> objective (1 + 4e-4) * A, no gradient
+    logp.grad = None
+    loss, m = gspo(logp, old, adv, mask, 3e-4, 4e-4, agg="seq-mean-token-mean")
+    assert loss.item() == pytest.approx(-(1 + 4e-4)) and m["clip_frac"] == 1.0
+
+
+def test_cispo_keeps_a_clipped_weight_as_gradient():
+    cispo = LOSSES["cispo"]
+    # ratio 1.5, A = +1, clip_high 0.2: weight sg(1.2); value -1.2, d loss / d logp = -1.2 (PPO: 0)
+    logp, old, adv, mask = one_token(1.5, 1.0)
+    loss, m = cispo(logp, old, adv, mask, 0.2, 0.2)
+    assert loss.item() == pytest.approx(-1.2) and m["clip_frac"] == 1.0
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(-1.2)
+    # ratio 0.9 inside the range, A = -2: weight 0.9; value 1.8, gradient 1.8
+    logp, old, adv, mask = one_token(0.9, -2.0)
+    loss, m = cispo(logp, old, adv, mask, 0.2, 0.2)
+    assert loss.item() == pytest.approx(1.8) and m["clip_frac"] == 0.0
+    loss.backward()
+    assert logp.grad.item() == pytest.approx(1.8)
+
+
+def test_every_loss_reports_ratio_metrics_and_takes_per_token_advantages():
+    # ratios 1.5 and 0.5 on the valid tokens (the pad's ratio 9 must not show up)
+    logp = torch.zeros(2, 2, requires_grad=True)
+    old = torch.tensor([[-LOG15, -math.log(9.0)], [-math.log(0.5), 0.0]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    for name in BUILT_IN:
+        for adv in (torch.tensor([1.0, -1.0]), torch.tensor([[1.0, 0.0], [-1.0, 0.0]])):
+            loss, m = LOSSES[name](logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+            assert torch.isfinite(loss), name
+            for key in ("clip_frac", "ratio/mean", "ratio/min", "ratio/max"):
+                assert key in m, (name, key)
+            if name != "gspo":  # gspo's ratio is per sequence; one valid token each gives the same numbers
+                assert (m["ratio/min"], m["ratio/max"]) == pytest.approx((0.5, 1.5)), name
+            assert m["ratio/max"] == pytest.approx(1.5), name
+
+
+# A user's own loss: registered with the decorator, chosen by name in the config, with its own keyword.
+@LOSSES.register("test_scaled_ppo")
+def scaled_ppo(
+    logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, agg="token-mean", num_tokens=None,
+    scale=1.0,
+):
+    loss, m = ppo_clip_loss(logp, old_logp, advantages, mask, clip_low, clip_high, agg, num_tokens)
+    return scale * loss, {**m, "test/scale": scale}
+
+
+def fake_trajectories(n: int = 4) -> list[Trajectory]:
+    out = []
+    for i in range(n):
+        prompt, resp = [5, 6, 7], [10 + i, 11 + i, 2]
+        out.append(Trajectory(
+            task="t", item_id=0, group_id=0, input_ids=prompt + resp, loss_mask=[0, 0, 0, 1, 1, 1],
+            logprobs=[0.0] * 6, versions=[-1] * 6, reward=float(i % 2), advantage=1.0 if i % 2 else -1.0,
+        ))
+    return out
+
+
+def make_learner(**algo) -> Learner:
+    model = tiny_random_model(seed=0, vocab_size=64)
+    return Learner(model, AlgorithmConfig(**algo), OptimConfig(lr=1e-3), 1.0, False, pad_id=2)
+
+
+def test_a_user_registered_loss_is_usable_from_config():
+    cfg = load_config(SMOKE, ["algorithm.loss=test_scaled_ppo", "algorithm.loss_kwargs={scale: 2.0}"])
+    assert cfg.algorithm.loss == "test_scaled_ppo" and cfg.algorithm.loss_kwargs == {"scale": 2.0}
+    with pytest.raises(ConfigError, match=r"algorithm.loss_kwargs.scal: not a parameter of policy loss"):
+        load_config(SMOKE, ["algorithm.loss=test_scaled_ppo", "algorithm.loss_kwargs={scal: 2.0}"])
+    scaled = make_learner(loss="test_scaled_ppo", loss_kwargs={"scale": 2.0}, track_kl=False)
+    plain = make_learner(track_kl=False)
+    m_scaled, m_plain = scaled.update(fake_trajectories()), plain.update(fake_trajectories())
+    assert m_scaled["test/scale"] == 2.0
+    assert m_scaled["loss/pg"] == pytest.approx(2 * m_plain["loss/pg"])
+
+
+def test_bad_algorithm_config_is_one_line_naming_the_key():
+    cases = {
+        "algorithm.loss=gspoo": "algorithm.loss: unknown policy loss 'gspoo'; valid: cispo, dual_clip, gspo",
+        "algorithm.advantage=rlooo": "algorithm.advantage: unknown advantage estimator 'rlooo'; valid: dr_",
+        "algorithm.loss_kwargs={c: 0.5}": "algorithm.loss_kwargs.c: not a parameter of policy loss 'ppo_cl",
+        "algorithm.advantage_kwargs={group_ids: 1}": "algorithm.advantage_kwargs.group_ids: set by the fra",
+        "algorithm.kl_in=both": "algorithm.kl_in: Input should be 'loss' or 'reward'",
+        "algorithm.overlong_buffer=9": "algorithm.overlong_buffer: 9 is longer than rollout.max_new_tokens",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as err:
+            load_config(SMOKE, [override])
+        text = str(err.value)
+        assert message in text and "\n" not in text, (override, text)
+    with pytest.raises(ConfigError, match=r"algorithm.loss_kwargs: policy loss 'dual_clip' rejected .*c > 1"):
+        load_config(SMOKE, ["algorithm.loss=dual_clip", "algorithm.loss_kwargs={c: 0.5}"])
+    with pytest.raises(ConfigError, match=r"algorithm.dynamic_sampling: needs rollout.group_size >= 2"):
+        load_config(SMOKE, ["algorithm.dynamic_sampling=true", "rollout.group_size=1"])
+    ok = load_config(SMOKE, ["algorithm.loss=dual_clip", "algorithm.loss_kwargs={c: 2}"])
+    assert ok.algorithm.loss_kwargs == {"c": 2}
