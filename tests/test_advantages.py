@@ -4,10 +4,12 @@ import math
 
 import pytest
 import torch
+from algo_helpers import fake_trajectories, make_learner
 
 from polyrl.algorithms import ADVANTAGES
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.algorithms.kl import kl_penalty_to_go
+from polyrl.train.learner import collate
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0])
 ONE_GROUP = torch.tensor([0, 0, 0, 0])
@@ -133,3 +135,24 @@ def test_kl_in_reward_is_a_reward_to_go():
     kl = torch.tensor([[0.1, 0.2, 0.3, 7.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
     close(kl_penalty_to_go(kl, mask, coef=2.0)[0], [-1.2, -1.0, -0.6, 0.0])
+
+
+def test_learner_turns_rewards_into_gae_advantages_and_trains_the_critic():
+    learner = make_learner(advantage="gae", value_lr=1e-2, lam=0.95, gamma=1.0, track_kl=False)
+    ts = fake_trajectories()  # rewards [0, 1, 0, 1], 3 response tokens each
+    batch = collate(ts, pad_id=2)
+    rewards = torch.tensor([t.reward for t in ts])
+    # a fresh head predicts V = 0: A_t = (gamma lam)^(2 - t) R -> [0.9025, 0.95, 1] for R = 1, zeros for R = 0
+    adv, returns = learner._advantages(batch, rewards, torch.zeros(4, 3), None, torch.zeros(4, 3))
+    assert adv[1].tolist() == pytest.approx([0.9025, 0.95, 1.0]) and adv[0].tolist() == [0.0, 0.0, 0.0]
+    assert torch.equal(returns, adv)
+    before = [p.detach().clone() for p in learner.value_head.parameters()]
+    first = learner.update(ts)
+    assert first["value/mean"] == 0.0 and first["loss/value"] > 0
+    for _ in range(5):
+        last = learner.update(fake_trajectories())
+    assert any(not torch.equal(a, b) for a, b in zip(before, learner.value_head.parameters(), strict=True))
+    assert last["value/mean"] > 0.0  # moving toward the mean return 0.5
+    assert last["loss/value"] < first["loss/value"]
+    # the head's parameters sit in the optimizer (so they are checkpointed with it), at their own rate
+    assert learner.optimizer.param_groups[1]["lr"] == pytest.approx(1e-2)

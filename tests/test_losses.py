@@ -4,14 +4,13 @@ import math
 
 import pytest
 import torch
+from algo_helpers import fake_trajectories, make_learner
 from conftest import SMOKE
 
 from polyrl.algorithms import LOSSES, aggregate
 from polyrl.algorithms.losses import ppo_clip_loss
-from polyrl.config import AlgorithmConfig, ConfigError, OptimConfig, load_config
-from polyrl.models.loading import tiny_random_model
-from polyrl.train.learner import Learner
-from polyrl.types import Trajectory
+from polyrl.config import ConfigError, load_config
+from polyrl.train.learner import collate
 
 LOG15 = math.log(1.5)
 BUILT_IN = ["ppo_clip", "dual_clip", "gspo", "cispo"]
@@ -141,22 +140,6 @@ def scaled_ppo(
     return scale * loss, {**m, "test/scale": scale}
 
 
-def fake_trajectories(n: int = 4) -> list[Trajectory]:
-    out = []
-    for i in range(n):
-        prompt, resp = [5, 6, 7], [10 + i, 11 + i, 2]
-        out.append(Trajectory(
-            task="t", item_id=0, group_id=0, input_ids=prompt + resp, loss_mask=[0, 0, 0, 1, 1, 1],
-            logprobs=[0.0] * 6, versions=[-1] * 6, reward=float(i % 2), advantage=1.0 if i % 2 else -1.0,
-        ))
-    return out
-
-
-def make_learner(**algo) -> Learner:
-    model = tiny_random_model(seed=0, vocab_size=64)
-    return Learner(model, AlgorithmConfig(**algo), OptimConfig(lr=1e-3), 1.0, False, pad_id=2)
-
-
 def test_a_user_registered_loss_is_usable_from_config():
     cfg = load_config(SMOKE, ["algorithm.loss=test_scaled_ppo", "algorithm.loss_kwargs={scale: 2.0}"])
     assert cfg.algorithm.loss == "test_scaled_ppo" and cfg.algorithm.loss_kwargs == {"scale": 2.0}
@@ -189,3 +172,37 @@ def test_bad_algorithm_config_is_one_line_naming_the_key():
         load_config(SMOKE, ["algorithm.dynamic_sampling=true", "rollout.group_size=1"])
     ok = load_config(SMOKE, ["algorithm.loss=dual_clip", "algorithm.loss_kwargs={c: 2}"])
     assert ok.algorithm.loss_kwargs == {"c": 2}
+
+
+def test_kl_in_the_reward_makes_per_token_advantages():
+    # A = 1, k1 KL per token = logp - ref = [0.1, 0.2, 0.3], coef 0.5: to-go [0.6, 0.5, 0.3]
+    # -> advantages 1 - 0.5 * to-go = [0.7, 0.75, 0.85]
+    learner = make_learner(kl_coef=0.5, kl_in="reward", kl_estimator="k1")
+    batch = collate(fake_trajectories(1), pad_id=2)
+    batch.advantages = torch.tensor([1.0])
+    old, ref = torch.zeros(1, 3), torch.tensor([[-0.1, -0.2, -0.3]])
+    adv, returns = learner._advantages(batch, torch.tensor([1.0]), old, ref, None)
+    assert adv[0].tolist() == pytest.approx([0.7, 0.75, 0.85]) and returns is None
+    # in the loss instead: advantages stay per sequence
+    in_loss = make_learner(kl_coef=0.5, kl_in="loss", kl_estimator="k1")
+    adv, _ = in_loss._advantages(batch, torch.tensor([1.0]), old, ref, None)
+    assert adv.tolist() == [1.0]
+
+
+def test_kl_placement_changes_the_update():
+    # The first update moves the policy away from the reference; the second sees KL > 0 either way.
+    results = {}
+    for where in ("loss", "reward"):
+        learner = make_learner(lr=1e-2, kl_coef=1.0, kl_in=where)
+        learner.update(fake_trajectories())
+        results[where] = learner.update(fake_trajectories())
+        assert results[where]["kl"] > 0
+    assert results["loss"]["loss"] != pytest.approx(results["reward"]["loss"])
+
+
+def test_several_epochs_move_the_importance_ratio():
+    m = make_learner(lr=1e-2, epochs=3, track_kl=False).update(fake_trajectories())
+    assert m["ratio/max"] > 1.0 or m["ratio/min"] < 1.0
+    assert m["ratio/min"] <= m["ratio/mean"] <= m["ratio/max"]
+    one = make_learner(lr=1e-2, epochs=1, track_kl=False).update(fake_trajectories())
+    assert one["ratio/min"] == pytest.approx(1.0) and one["ratio/max"] == pytest.approx(1.0)
