@@ -156,3 +156,17 @@ def test_learner_turns_rewards_into_gae_advantages_and_trains_the_critic():
     assert last["loss/value"] < first["loss/value"]
     # the head's parameters sit in the optimizer (so they are checkpointed with it), at their own rate
     assert learner.optimizer.param_groups[1]["lr"] == pytest.approx(1e-2)
+
+
+def test_the_critic_is_part_of_the_learner_state():
+    # checkpoints store learner.state_dict(): a resumed PPO run must get its trained value head back
+    trained = make_learner(advantage="gae", value_lr=1e-2, track_kl=False)
+    for _ in range(2):
+        trained.update(fake_trajectories())
+    fresh = make_learner(advantage="gae", value_lr=1e-2, track_kl=False)
+    h = torch.randn(2, 3, fresh.value_head.net[0].in_features)
+    assert not torch.allclose(fresh.value_head(h), trained.value_head(h))
+    fresh.load_state_dict(trained.state_dict())
+    assert torch.equal(fresh.value_head(h), trained.value_head(h))
+    with pytest.raises(ValueError, match="no value head"):
+        fresh.load_state_dict(make_learner(track_kl=False).state_dict())

@@ -145,6 +145,22 @@ class Learner:
         if self.wants_reference and not self.is_lora:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
 
+    def state_dict(self) -> dict:
+        """What a checkpoint needs besides the policy weights: optimizer, scheduler and the critic, if any."""
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.value_head is not None:
+            state["value_head"] = self.value_head.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if (self.value_head is not None) != ("value_head" in state):
+            have = "has a value head" if "value_head" in state else "has no value head"
+            raise ValueError(f"checkpoint {have}, but algorithm.advantage is {self.algo.advantage}")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        if self.value_head is not None:
+            self.value_head.load_state_dict(state["value_head"])
+
     @torch.no_grad()
     def _reference_logprobs(self, batch: Batch) -> torch.Tensor:
         if self.is_lora:

@@ -148,8 +148,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     if ckpt is not None:
         optimizer_state, state = load_checkpoint(ckpt, run.model)
         run.engine.sync()
-        run.learner.optimizer.load_state_dict(optimizer_state["optimizer"])
-        run.learner.scheduler.load_state_dict(optimizer_state["scheduler"])
+        run.learner.load_state_dict(optimizer_state)
         run.sampler.load_state_dict(state["sampler"])
         start, train_time = state["step"], state["train_time_s"]
         log(f"resumed from {ckpt} (step {start})")
@@ -162,7 +161,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     def checkpoint(step: int) -> None:
         save_checkpoint(
             run_dir, step, run.model, run.tokenizer,
-            {"optimizer": run.learner.optimizer.state_dict(), "scheduler": run.learner.scheduler.state_dict()},
+            run.learner.state_dict(),
             {"sampler": run.sampler.state_dict(), "train_time_s": train_time},
             keep=config.train.keep_checkpoints,
         )
