@@ -1,4 +1,4 @@
-"""Command line: ``polyrl train | eval | tasks``."""
+"""Command line: ``polyrl train | eval | report | view | tasks``."""
 
 from __future__ import annotations
 
@@ -6,9 +6,12 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from polyrl.config import Config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training for language models.")
 
@@ -21,9 +24,19 @@ def _fail(message: str) -> None:
 @app.command(context_settings={"allow_extra_args": False})
 def train(
     config: Annotated[Path, typer.Argument(help="Experiment YAML.")],
-    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. optim.lr=2e-5.")] = None,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Run directory (default runs/<name>).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue from the newest checkpoint in the run dir.")] = False,
+    overrides: Annotated[
+        list[str] | None, typer.Argument(help="Dotted overrides, e.g. optim.lr=2e-5.")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Run directory (default runs/<name>).")
+    ] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the newest checkpoint in the run dir.")
+    ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="Validate, print the resolved config and time per step; exit."),
+    ] = False,
 ) -> None:
     """Train a policy with RL as the config says; evaluate held-out before and after."""
     from polyrl.config import ConfigError, load_config
@@ -32,6 +45,9 @@ def train(
         cfg = load_config(config, overrides or [])
     except ConfigError as exc:
         _fail(str(exc))
+    if dry_run:
+        _dry_run(cfg, config)
+        return
     run_dir = output or Path("runs") / cfg.name
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     from polyrl.models.loading import ModelNotFoundError
@@ -41,11 +57,32 @@ def train(
     def log(msg: str) -> None:
         typer.echo(msg, err=True)
 
+    from polyrl.observe.metrics import SinkError
+
     try:
         summary = run_training(cfg, run_dir, resume=resume, log=log)
-    except (ModelNotFoundError, ValueError, NonFiniteError) as exc:
+    except (ModelNotFoundError, ValueError, NonFiniteError, SinkError) as exc:
         _fail(str(exc))
     _print_summary(summary, run_dir)
+    if cfg.logging.report and (run_dir / "report.html").exists():
+        typer.echo(f"report: {run_dir / 'report.html'}  (browse rollouts: polyrl view {run_dir})")
+
+
+def _dry_run(cfg: Config, config_path: Path) -> None:
+    from polyrl.config import dump_config
+    from polyrl.models.loading import ModelNotFoundError
+    from polyrl.observe.estimate import estimate_step
+
+    typer.echo(f"# {config_path}: valid. Resolved config:")
+    typer.echo(dump_config(cfg))
+    typer.echo("# Estimated time per step on this machine (measured now, on the configured model):")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        estimate = estimate_step(cfg)
+    except (ModelNotFoundError, ValueError) as exc:
+        _fail(str(exc))
+    typer.echo(estimate.describe(cfg.train.steps))
+    typer.echo("# dry run: nothing was trained or written.")
 
 
 def _print_summary(summary: dict, run_dir: Path) -> None:
@@ -106,12 +143,54 @@ def eval_cmd(
 
 
 @app.command()
-def tasks() -> None:
-    """List the available tasks."""
-    from polyrl.envs.reasoning_gym import task_names
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (holds metrics.jsonl).")],
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Default RUN_DIR/report.html.")
+    ] = None,
+) -> None:
+    """Write a self-contained HTML report of a run: curves, held-out eval, samples, config."""
+    from polyrl.observe.report import ReportError, write_report
 
-    for name in task_names():
-        typer.echo(name)
+    try:
+        path = write_report(run_dir, output)
+    except (ReportError, OSError) as exc:
+        _fail(str(exc))
+    typer.echo(str(path))
+
+
+@app.command()
+def view(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory (holds trajectories.jsonl).")],
+    port: Annotated[int, typer.Option("--port", help="Port (0 picks a free one).")] = 8765,
+    host: Annotated[str, typer.Option("--host", help="Loopback address to bind.")] = "127.0.0.1",
+) -> None:
+    """Browse a run's stored rollouts in a local web page (tokens, log-probs, loss mask, groups)."""
+    from polyrl.observe.viewer import ViewerError, serve
+
+    try:
+        serve(run_dir, host, port, echo=typer.echo)
+    except ViewerError as exc:
+        _fail(str(exc))
+
+
+@app.command()
+def tasks() -> None:
+    """List the available environments and reasoning-gym tasks, one line each."""
+    from polyrl.observe.catalog import environments, reasoning_gym_tasks
+
+    envs = environments()
+    if envs:
+        typer.echo("environments (tasks[].env):")
+        width = max(len(n) for n, _ in envs)
+        for name, doc in envs:
+            typer.echo(f"  {name:<{width}}  {doc}")
+        typer.echo("")
+    rg = reasoning_gym_tasks()
+    typer.echo("reasoning-gym tasks (tasks[].name):")
+    width = max(len(n) for n, _ in rg)
+    for name, doc in rg:
+        typer.echo(f"  {name:<{width}}  {doc}")
 
 
 def main() -> None:

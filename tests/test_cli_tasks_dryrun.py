@@ -1,0 +1,73 @@
+"""``polyrl tasks`` (one line per task or env) and ``polyrl train --dry-run`` (validate, print, estimate)."""
+
+import re
+import subprocess
+import sys
+
+from conftest import SMOKE
+
+from polyrl.observe.catalog import one_line
+
+
+def polyrl(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "polyrl", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_tasks_lists_every_reasoning_gym_dataset_with_a_description():
+    from reasoning_gym.factory import DATASETS
+
+    res = polyrl("tasks")
+    assert res.returncode == 0, res.stderr
+    section = res.stdout.split("reasoning-gym tasks (tasks[].name):\n")[1]
+    lines = [line for line in section.splitlines() if line.strip()]
+    assert [line.split()[0] for line in lines] == sorted(DATASETS)
+    for line in lines:
+        name, _, desc = line.strip().partition(" ")
+        assert desc.strip(), f"no description for {name}"
+        assert len(line) < 140 and "](" not in line  # one short line, markdown links reduced to text
+    chain_sum = next(line for line in lines if line.split()[0] == "chain_sum")
+    assert "arithmetic" in chain_sum
+
+
+def test_tasks_lists_registered_environments():
+    from polyrl.observe.catalog import environments
+
+    envs = environments()
+    res = polyrl("tasks")
+    if envs:
+        assert "environments (tasks[].env):" in res.stdout
+        for name, desc in envs:
+            assert re.search(rf"^  {re.escape(name)} +{re.escape(desc)}$", res.stdout, re.M), name
+
+
+def test_one_line_descriptions():
+    doc = """Generates [Zebra Puzzles](https://x.org/zebra) with
+    configurable parameters.
+
+    Longer text that is not shown."""
+    assert one_line(doc, "Zebra") == "Generates Zebra Puzzles with configurable parameters."
+    assert one_line(None, "ACREDataset") == "ACREDataset"
+    long = one_line("word " * 60, "x")
+    assert len(long) == 100 and long.endswith("…")
+
+
+def test_dry_run_validates_prints_and_estimates_without_training(tmp_path):
+    out = tmp_path / "run"
+    res = polyrl("train", str(SMOKE), "--dry-run", "--output", str(out), "rollout.group_size=3", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    assert "valid. Resolved config:" in text
+    assert "name: smoke" in text and "group_size: 3" in text  # the override is in the resolved config
+    step = re.search(r"step: +<= ([\d.]+) s; 2 steps", text)
+    assert step and float(step.group(1)) > 0
+    assert re.search(r"samples per step: 6, prompt ~\d+ tokens", text)
+    assert re.search(r"update: +[\d.]+ s .*dummy batch of 6 x \d+ tokens", text)
+    assert "per decoded token" in text
+    assert not out.exists() and not (tmp_path / "runs").exists()  # nothing trained or written
+
+
+def test_dry_run_bad_config_is_one_line_naming_the_key(tmp_path):
+    res = polyrl("train", str(SMOKE), "--dry-run", "rollout.group_size=0")
+    assert res.returncode == 2
+    assert "rollout.group_size" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
