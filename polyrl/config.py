@@ -173,7 +173,9 @@ class LoggingConfig(_Strict):
     wandb: bool = False
     """Also log metrics and the config to Weights & Biases (``pip install 'polyrl[wandb]'``)."""
     wandb_project: str = "polyrl"
+    """W&B project the run is logged to."""
     wandb_entity: str | None = None
+    """W&B user or team; unset uses the logged-in default."""
     wandb_mode: Literal["online", "offline"] | None = None
     """``offline`` writes under RUN_DIR/wandb without network; unset follows wandb's own setting."""
 
