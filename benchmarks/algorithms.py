@@ -1,0 +1,201 @@
+"""The algorithms side by side: each trains the same config for the same training-time budget.
+
+Every algorithm starts from the same model and seed, trains in this process until its budget of training
+time is spent (evaluation excluded), and is evaluated greedily on the held-out items at evenly spaced points
+in training time. The table and an accuracy-vs-time plot go into docs/algorithms.md (between the benchmark
+markers) and docs/algorithms.png; the raw numbers into benchmarks/results/algorithms.json.
+
+    pip install -e ".[bench]"
+    python benchmarks/algorithms.py --minutes 3                    # the embedded default, ~35 min in all
+    python benchmarks/algorithms.py --config configs/smoke.yaml --minutes 0.1 \
+        --doc /tmp/algorithms.md --png /tmp/algorithms.png         # a check of the script itself
+
+With one epoch per batch the importance ratio is exactly 1, where PPO-clip, GSPO and CISPO give the same
+gradient; so gspo and cispo run two epochs per batch here, where their ratios differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+START, END = "<!-- benchmark:start -->", "<!-- benchmark:end -->"
+
+# name -> overrides on top of the config (the benchmark's own settings come after these)
+ALGORITHMS: dict[str, list[str]] = {
+    "grpo": ["algorithm.advantage=grpo", "algorithm.loss=ppo_clip"],
+    "dr_grpo": ["algorithm.advantage=dr_grpo", "algorithm.loss_agg=seq-mean-token-sum"],
+    "rloo": ["algorithm.advantage=rloo"],
+    "reinforce_pp": ["algorithm.advantage=reinforce_pp"],
+    "gspo": ["algorithm.loss=gspo", "algorithm.loss_agg=seq-mean-token-mean", "algorithm.clip_low=3e-4",
+             "algorithm.clip_high=4e-4", "algorithm.epochs=2"],
+    "cispo": ["algorithm.loss=cispo", "algorithm.clip_high=0.28", "algorithm.epochs=2"],
+    "dapo": ["algorithm.clip_high=0.28", "algorithm.dynamic_sampling=true", "algorithm.max_extra_rounds=2",
+             "algorithm.overlong_buffer={buffer}"],
+    "ppo_gae": ["algorithm.advantage=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0"],
+}
+
+
+def _config(path: Path, name: str, eval_n: int | None):
+    from polyrl.config import load_config
+
+    base = load_config(path)
+    buffer = max(1, base.rollout.max_new_tokens // 4)
+    overrides = [o.format(buffer=buffer) for o in ALGORITHMS[name]]
+    overrides += ["eval.before=false", "eval.after=false", "logging.progress=false", "train.steps=1000000"]
+    if eval_n is not None:
+        overrides += [f"tasks.{i}.eval_size={eval_n}" for i in range(len(base.tasks))]
+    return load_config(path, overrides), overrides
+
+
+def _accuracy(run) -> float:
+    from polyrl.train.loop import evaluate_all
+
+    scores = evaluate_all(run)
+    return sum(scores.values()) / len(scores)
+
+
+def run_one(
+    path: Path, name: str, minutes: float, points: int, eval_n: int | None, base_acc: float | None
+) -> dict:
+    """Train ``name`` for ``minutes`` of training time; accuracy at 0 and at ``points`` even intervals."""
+    from polyrl.train.loop import build_run, rl_step
+
+    cfg, overrides = _config(path, name, eval_n)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = build_run(cfg, Path(tmp))
+        budget = minutes * 60
+        due = [budget * (i + 1) / points for i in range(points)]
+        start = base_acc if base_acc is not None else _accuracy(run)
+        curve = [{"train_time_s": 0.0, "step": 0, "accuracy": start}]
+        train_time, step, rewards = 0.0, 0, []
+        while due:
+            step += 1
+            metrics, _ = rl_step(run, step)
+            train_time += metrics["step_time_s"]
+            # the task's own reward: the overlong penalty is shaping, not success
+            rewards.append(metrics["reward/mean"] - metrics.get("reward/overlong", 0.0))
+            while due and train_time >= due[0] - 1e-9:
+                due.pop(0)
+                curve.append({"train_time_s": train_time, "step": step, "accuracy": _accuracy(run)})
+        del run
+    gc.collect()  # free this run's model and optimizer before the next one is built
+    return {"overrides": overrides, "steps": step, "train_time_s": train_time, "curve": curve,
+            "mean_train_reward": sum(rewards) / len(rewards)}
+
+
+def markdown(results: dict) -> str:
+    points = max(len(r.get("curve", [])) for r in results["algorithms"].values())
+    times = [f"acc @ {results['minutes'] * i / (points - 1):.3g} min" for i in range(points)]
+    head = ["algorithm", "steps", "s/step", *times, "train reward"]
+    lines = [
+        f"Config `{results['config']}`, {results['minutes']} min of training time per algorithm "
+        f"(evaluation excluded), held-out accuracy (greedy, fully correct) at evenly spaced times; "
+        f"{results['machine']}, {results['date']}.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join("---" for _ in head) + " |",
+    ]
+    for name, r in results["algorithms"].items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error']} |" + " |" * (len(head) - 2))
+            continue
+        accs = [f"{100 * c['accuracy']:.1f}%" for c in r["curve"]] + [""] * (points - len(r["curve"]))
+        per_step = r["train_time_s"] / max(r["steps"], 1)
+        cells = [name, str(r["steps"]), f"{per_step:.1f}", *accs, f"{r['mean_train_reward']:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "![accuracy vs training time](algorithms.png)", ""]
+    return "\n".join(lines)
+
+
+def write_doc(doc: Path, table: str) -> None:
+    """Replace the text between the benchmark markers (append a marked section if there is none)."""
+    text = doc.read_text() if doc.exists() else ""
+    block = f"{START}\n{table}\n{END}"
+    if START in text and END in text:
+        text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + f"\n\n## Benchmark results\n\n{block}\n"
+    doc.write_text(text)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def plot(results: dict, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("matplotlib is needed for the plot: pip install -e '.[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for name, r in results["algorithms"].items():
+        if "curve" in r:
+            xs = [c["train_time_s"] / 60 for c in r["curve"]]
+            ax.plot(xs, [100 * c["accuracy"] for c in r["curve"]], marker="o", label=name)
+    ax.set_xlabel("training time (min, evaluation excluded)")
+    ax.set_ylabel("held-out accuracy (%)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Algorithms on {Path(results['config']).name}, same training-time budget")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", type=Path, default=ROOT / "configs" / "quickstart.yaml")
+    p.add_argument("--minutes", type=float, default=3.0, help="training-time budget per algorithm")
+    p.add_argument("--points", type=int, default=3, help="evaluations per run after the start, evenly spaced")
+    p.add_argument("--eval-n", type=int, default=None, help="held-out items per task (default: the config's)")
+    p.add_argument("--only", nargs="*", choices=list(ALGORITHMS), help="a subset of the algorithms")
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "algorithms.md")
+    p.add_argument("--png", type=Path, default=ROOT / "docs" / "algorithms.png")
+    p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "algorithms.json")
+    args = p.parse_args()
+    if args.points < 1 or args.minutes <= 0:
+        raise SystemExit("--points must be >= 1 and --minutes > 0")
+
+    results = {
+        "config": str(args.config.resolve().relative_to(ROOT) if args.config.resolve().is_relative_to(ROOT)
+                      else args.config),
+        "minutes": args.minutes,
+        "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {_cores()} cores",
+        "date": time.strftime("%Y-%m-%d"),
+        "algorithms": {},
+    }
+    base_acc = None  # every algorithm starts from the same weights: evaluate the start once
+    for name in args.only or list(ALGORITHMS):
+        t0 = time.perf_counter()
+        try:
+            res = run_one(args.config, name, args.minutes, args.points, args.eval_n, base_acc)
+            base_acc = res["curve"][0]["accuracy"]
+        except Exception as exc:  # one failing algorithm must not lose the others' results
+            traceback.print_exc()
+            res = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+        results["algorithms"][name] = res
+        final = f"{100 * res['curve'][-1]['accuracy']:.1f}%" if "curve" in res else res["error"]
+        print(f"{name}: {final} ({time.perf_counter() - t0:.0f}s wall)", flush=True)
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+    plot(results, args.png)
+    table = markdown(results).replace("(algorithms.png)", f"({args.png.name})")
+    write_doc(args.doc, table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
