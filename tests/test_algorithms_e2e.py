@@ -24,7 +24,8 @@ CASES = {
     "reinforce_pp+dual_clip+kl_reward": ["algorithm.advantage=reinforce_pp", "algorithm.loss=dual_clip",
                                          "algorithm.loss_kwargs={c: 3.0}", "algorithm.kl_coef=0.05",
                                          "algorithm.kl_in=reward"],
-    "reinforce_pp_baseline+ppo_clip+epochs": ["algorithm.advantage=reinforce_pp_baseline", "algorithm.epochs=2"],
+    "reinforce_pp_baseline+ppo_clip+epochs": ["algorithm.advantage=reinforce_pp_baseline",
+                                              "algorithm.epochs=2"],
     "gae+ppo_clip+kl_reward": ["algorithm.advantage=gae", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward"],
 }
 
