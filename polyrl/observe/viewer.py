@@ -234,6 +234,8 @@ class ViewerServer(ThreadingHTTPServer):
         self.index = RunIndex(run_dir)
         self.tokens = TokenText(Path(run_dir))
         super().__init__((host, port), _Handler)
+        # Load the tokenizer (seconds: it imports transformers) while the user opens the page.
+        threading.Thread(target=self.tokens.texts, args=([],), daemon=True).start()
 
     @property
     def url(self) -> str:

@@ -92,8 +92,9 @@ function renderTable() {
   }
   const more = shown.length > MAX_ROWS ? ` (first ${MAX_ROWS} shown)` : "";
   document.getElementById("count").textContent =
-    shown.length === 0 ? `no trajectories match (of ${ROWS.length})`
-      : `${shown.length} of ${ROWS.length} trajectories${more}`;
+    ROWS.length === 0 ? "no trajectories stored yet (trajectories.jsonl is empty or missing)"
+      : shown.length === 0 ? `no trajectories match (of ${ROWS.length})`
+        : `${shown.length} of ${ROWS.length} trajectories${more}`;
 }
 
 async function loadRows() {
