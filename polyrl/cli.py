@@ -82,6 +82,10 @@ def _dry_run(cfg: Config, config_path: Path) -> None:
     except (ModelNotFoundError, ValueError) as exc:
         _fail(str(exc))
     typer.echo(estimate.describe(cfg.train.steps))
+    turns = max((getattr(t, "max_turns", None) or 1) for t in cfg.tasks)
+    if turns > 1:
+        typer.echo(f"note: the rollout estimate is for one model turn; tasks allowing up to {turns} turns "
+                   "can take up to that many times longer to roll out.")
     typer.echo("# dry run: nothing was trained or written.")
 
 
