@@ -46,10 +46,20 @@ class EngineConfig(_Strict):
 
 class TaskConfig(_Strict):
     name: str
-    """A reasoning-gym dataset name (``polyrl tasks`` lists them)."""
+    """The task's name in metrics; for the reasoning_gym env, the dataset (``polyrl tasks`` lists them)."""
+    env: str | None = None
+    """The environment (docs/environments.md): reasoning_gym, tool_math, retrieval_qa, frozen_lake, gym, or
+    one registered with ``@register_env``. Unset: the env named like the task if any, else reasoning_gym."""
     weight: float = Field(1.0, gt=0)
     params: dict[str, Any] = {}
-    """Passed to the reasoning-gym dataset constructor (difficulty parameters)."""
+    """Passed to the environment: for reasoning_gym, the dataset constructor's difficulty parameters."""
+    max_turns: int | None = Field(None, gt=0)
+    """Model turns per episode; unset uses the env's default (1 for single-turn tasks)."""
+    max_tokens: int | None = Field(None, gt=0)
+    """Token budget of an episode after its prompt (model and env tokens together); unset is no budget beyond
+    max_turns x rollout.max_new_tokens."""
+    tool_parser: str = "auto"
+    """Tool-call format: smollm2, hermes (qwen), llama3, or auto (read from the model's chat template)."""
     prompt_suffix: str = ""
     answer: Literal["last_number", "full"] = "last_number"
     """How the answer is read from a reply: the last number in it, or the whole stripped reply."""
@@ -208,10 +218,12 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _check_names(self) -> Config:
         # Imported here: registries import torch-heavy modules that config users may not need.
-        from polyrl.envs.reasoning_gym import check_task_name
+        from polyrl.envs.base import check_task
 
         for i, task in enumerate(self.tasks):
-            check_task_name(task.name, key=f"tasks.{i}.name")
+            check_task(task, key=f"tasks.{i}")
+            if task.name in [t.name for t in self.tasks[:i]]:
+                raise ValueError(f"tasks.{i}.name: task '{task.name}' is listed twice; names must differ")
         algo, rollout = self.algorithm, self.rollout
         if algo.overlong_buffer > rollout.max_new_tokens:
             raise ValueError(

@@ -1,8 +1,9 @@
 """Single-turn tasks over reasoning-gym's procedural datasets, scored by reasoning-gym's own scorers.
 
-A task is a question, an answer and a scorer. Training items come from one seed and held-out items from
-another, both deterministic; reasoning-gym generates item ``i`` from ``seed + i``, so datasets are lazy and
-a large training size costs nothing.
+A task is a question, an answer and a scorer, played through the same env protocol as multi-turn tasks
+(``SingleTurnEnv``: reset asks, the first step scores and ends). Training items come from one seed and
+held-out items from another, both deterministic; reasoning-gym generates item ``i`` from ``seed + i``, so
+datasets are lazy and a large training size costs nothing.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from functools import cache
 from typing import Any
 
 from polyrl.config import TaskConfig
+from polyrl.envs.base import EVAL_SEED_OFFSET, Env, Message, SingleTurnEnv, Task, TaskContext, register_env
 
 TRAIN_SIZE = 1_000_000
-# Held-out items use a seed far from the training seed so the two streams do not share generator states.
-EVAL_SEED_OFFSET = 7_919_000_003
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -38,23 +38,56 @@ def last_number(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
-class ReasoningGymTask:
+def make_datasets(name: str, params: dict[str, Any], seed: int, eval_size: int) -> tuple[Any, Any]:
+    """(training stream, held-out set) of one reasoning-gym dataset; bad params are a one-line ValueError."""
+    import reasoning_gym
+
+    check_task_name(name, key="task")
+    try:
+        train = reasoning_gym.create_dataset(name, size=TRAIN_SIZE, seed=seed, **params)
+        held_out = reasoning_gym.create_dataset(name, size=eval_size, seed=seed + EVAL_SEED_OFFSET, **params)
+    except TypeError as exc:
+        raise ValueError(f"task '{name}': bad params {params}: {exc}") from None
+    return train, held_out
+
+
+def score_answer(dataset: Any, item: dict[str, Any], answer: str | None) -> float:
+    """reasoning-gym's scorer on an extracted answer; no answer scores 0, and the scorer never raises."""
+    if answer is None:
+        return 0.0
+    try:
+        return float(dataset.score_answer(answer, item))
+    except Exception:  # noqa: BLE001 - a scorer choking on model output is a zero reward, not a crash
+        return 0.0
+
+
+def extract_answer(config: TaskConfig, reply: str) -> str | None:
+    if config.answer == "last_number":
+        return last_number(reply)
+    return reply.strip()
+
+
+class ReasoningGymTask(Task):
     """One reasoning-gym dataset as a single-turn task: ``messages(item)`` and ``score(item, reply)``."""
 
-    def __init__(self, config: TaskConfig, seed: int, system_prompt: str | None = None) -> None:
-        import reasoning_gym
-
-        check_task_name(config.name, key="task")
-        self.config = config
-        self.name = config.name
+    def __init__(
+        self,
+        config: TaskConfig,
+        seed: int,
+        system_prompt: str | None = None,
+        dataset: str | None = None,
+        dataset_params: dict[str, Any] | None = None,
+    ) -> None:
+        """``dataset`` / ``dataset_params`` default to the task's name and params (envs built on a
+        reasoning-gym dataset, like tool_math, pass their own)."""
+        super().__init__(config, self._env, seed=seed)
         self.system_prompt = system_prompt
-        try:
-            self.train = reasoning_gym.create_dataset(config.name, size=TRAIN_SIZE, seed=seed, **config.params)
-            self.held_out = reasoning_gym.create_dataset(
-                config.name, size=config.eval_size, seed=seed + EVAL_SEED_OFFSET, **config.params
-            )
-        except TypeError as exc:
-            raise ValueError(f"task '{config.name}': bad params {config.params}: {exc}") from None
+        self.dataset = dataset or config.name
+        params = config.params if dataset_params is None else dataset_params
+        self.train, self.held_out = make_datasets(self.dataset, params, seed, config.eval_size)
+
+    def _env(self) -> Env:
+        return SingleTurnEnv(self.messages, self.score)
 
     def train_item(self, index: int) -> dict[str, Any]:
         return self.train[index % TRAIN_SIZE]
@@ -63,22 +96,24 @@ class ReasoningGymTask:
         n = len(self.held_out) if n is None else min(n, len(self.held_out))
         return [self.held_out[i] for i in range(n)]
 
-    def messages(self, item: dict[str, Any]) -> list[dict[str, str]]:
+    def messages(self, item: dict[str, Any]) -> list[Message]:
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         msgs.append({"role": "user", "content": item["question"] + self.config.prompt_suffix})
         return msgs
 
     def extract_answer(self, reply: str) -> str | None:
-        if self.config.answer == "last_number":
-            return last_number(reply)
-        return reply.strip()
+        return extract_answer(self.config, reply)
 
     def score(self, item: dict[str, Any], reply: str) -> float:
         """reasoning-gym's scorer on the extracted answer; a reply with no answer scores 0, never raises."""
-        answer = self.extract_answer(reply)
-        if answer is None:
-            return 0.0
-        try:
-            return float(self.train.score_answer(answer, item))
-        except Exception:  # noqa: BLE001 - a scorer choking on model output is a zero reward, not a crash
-            return 0.0
+        return score_answer(self.train, item, self.extract_answer(reply))
+
+
+def _check(config: TaskConfig, key: str) -> None:
+    check_task_name(config.name, key=f"{key}.name")
+
+
+@register_env("reasoning_gym", check=_check)
+def reasoning_gym_task(config: TaskConfig, ctx: TaskContext) -> Task:
+    """A reasoning-gym dataset named by the task's name; params go to the dataset constructor."""
+    return ReasoningGymTask(config, ctx.seed, ctx.system_prompt)

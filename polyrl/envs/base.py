@@ -1,0 +1,205 @@
+"""The environment protocol, the Task that feeds it items, and the registry that config names envs by.
+
+An ``Env`` plays one episode: ``reset(item) -> messages``, then ``step(assistant_message) -> (observations,
+reward, done, info)`` until ``done``. A single-turn task is the same protocol with one step
+(``SingleTurnEnv``), so every task goes through one rollout code path. A ``Task`` is a named, deterministic
+stream of items plus a factory for fresh envs (one per sampled trajectory, so envs may keep episode state).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from pydantic import BaseModel, ValidationError
+
+from polyrl.config import TaskConfig
+
+if TYPE_CHECKING:
+    from polyrl.envs.tool_parsers import ToolParser
+    from polyrl.envs.tools import Tool
+
+Message = dict[str, Any]
+"""A chat message: ``{"role": ..., "content": ...}`` (tool results may add ``name``)."""
+
+# Held-out items use a seed far from the training seed so the two streams do not share generator states.
+EVAL_SEED_OFFSET = 7_919_000_003
+
+
+class StepResult(NamedTuple):
+    observations: list[Message]
+    """Messages appended to the conversation before the model's next turn (ignored once ``done``)."""
+    reward: float
+    done: bool
+    info: dict[str, Any]
+    """Free-form; ``score`` (the task's success measure, used by evaluation), ``tool_calls``,
+    ``valid_tool_calls`` and ``tool_error`` are read by the rollout when present."""
+
+
+class Env(ABC):
+    """One episode at a time. Subclasses set ``tools`` (and get ``tool_parser``) when they offer tools."""
+
+    tools: Sequence[Tool] = ()
+    tool_parser: ToolParser | None = None
+    max_turns: int = 1
+    """Default turn limit; ``tasks[].max_turns`` in the config overrides it."""
+
+    @abstractmethod
+    def reset(self, item: dict[str, Any]) -> list[Message]:
+        """Start an episode on ``item``; return the opening messages. Must be deterministic in ``item``:
+        all samples of a group share one prompt."""
+
+    @abstractmethod
+    def step(self, assistant_message: str) -> StepResult:
+        """Take the model's reply: as generated, special tokens kept, the final stop token removed."""
+
+
+class SingleTurnEnv(Env):
+    """A question, an answer and a scorer: ``reset`` asks, the first ``step`` scores and ends."""
+
+    def __init__(
+        self,
+        messages: Callable[[dict[str, Any]], list[Message]],
+        score: Callable[[dict[str, Any], str], float],
+    ) -> None:
+        self._messages, self._score = messages, score
+        self.item: dict[str, Any] = {}
+
+    def reset(self, item: dict[str, Any]) -> list[Message]:
+        self.item = item
+        return self._messages(item)
+
+    def step(self, assistant_message: str) -> StepResult:
+        score = self._score(self.item, assistant_message)
+        return StepResult([], score, True, {"score": score})
+
+
+class Task:
+    """A named stream of items and the env that plays them. Items are a pure function of an integer seed,
+    so the training stream (``seed + index``) and the held-out set are deterministic and lazy."""
+
+    def __init__(
+        self,
+        config: TaskConfig,
+        make_env: Callable[[], Env],
+        make_item: Callable[[int], dict[str, Any]] | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.name = config.name
+        self._make_env = make_env
+        self._make_item = make_item
+        self.seed = seed
+
+    def make_env(self) -> Env:
+        return self._make_env()
+
+    def train_item(self, index: int) -> dict[str, Any]:
+        if self._make_item is None:
+            raise NotImplementedError(f"task '{self.name}' has no item generator")
+        return self._make_item(self.seed + index)
+
+    def eval_items(self, n: int | None = None) -> list[dict[str, Any]]:
+        if self._make_item is None:
+            raise NotImplementedError(f"task '{self.name}' has no item generator")
+        n = self.config.eval_size if n is None else n
+        return [self._make_item(self.seed + EVAL_SEED_OFFSET + i) for i in range(n)]
+
+
+@dataclass
+class TaskContext:
+    """What a task factory gets besides its TaskConfig."""
+
+    seed: int
+    params: Any
+    """``tasks[].params``, validated by the env's params model when it registered one (else the raw dict)."""
+    tool_parser: ToolParser
+    system_prompt: str | None = None
+
+
+TaskFactory = Callable[[TaskConfig, TaskContext], Task]
+
+
+@dataclass
+class EnvSpec:
+    factory: TaskFactory
+    params: type[BaseModel] | None = None
+    check: Callable[[TaskConfig, str], None] | None = None
+    """Extra config-time validation; raises ValueError naming ``key``."""
+    doc: str = field(default="")
+
+
+ENVS: dict[str, EnvSpec] = {}
+
+
+def register_env(
+    name: str,
+    params: type[BaseModel] | None = None,
+    check: Callable[[TaskConfig, str], None] | None = None,
+) -> Callable[[TaskFactory], TaskFactory]:
+    """Decorator: ``@register_env("my_env")`` on a ``(config, ctx) -> Task`` factory makes
+    ``tasks: [{name: x, env: my_env}]`` valid."""
+
+    def wrap(factory: TaskFactory) -> TaskFactory:
+        if name in ENVS:
+            raise ValueError(f"env '{name}' is already registered")
+        ENVS[name] = EnvSpec(factory, params, check, (factory.__doc__ or "").strip().split("\n")[0])
+        return factory
+
+    return wrap
+
+
+def _load_builtins() -> None:
+    import polyrl.envs  # noqa: F401 - importing the package registers the built-in envs
+
+
+def env_names() -> list[str]:
+    _load_builtins()
+    return sorted(ENVS)
+
+
+def env_name(config: TaskConfig) -> str:
+    """``tasks[].env``, or the env registered under the task's name, or reasoning-gym."""
+    _load_builtins()
+    if config.env is not None:
+        return config.env
+    return config.name if config.name in ENVS else "reasoning_gym"
+
+
+def _params(spec: EnvSpec, config: TaskConfig, key: str) -> Any:
+    if spec.params is None:
+        return config.params
+    try:
+        return spec.params.model_validate(config.params)
+    except ValidationError as err:
+        first = err.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+        raise ValueError(f"{key}.params{'.' + loc if loc else ''}: {msg}") from None
+
+
+def check_task(config: TaskConfig, key: str = "task") -> None:
+    """Config-time validation of one task entry; raises a one-line ValueError naming the key."""
+    from polyrl.envs.tool_parsers import check_parser_name
+
+    name = env_name(config)
+    if name not in ENVS:
+        raise ValueError(f"{key}.env: unknown env '{name}'; valid: {', '.join(env_names())}")
+    check_parser_name(config.tool_parser, key=f"{key}.tool_parser")
+    spec = ENVS[name]
+    _params(spec, config, key)
+    if spec.check is not None:
+        spec.check(config, key)
+
+
+def make_task(config: TaskConfig, seed: int, system_prompt: str | None = None, tokenizer: Any = None) -> Task:
+    """Build the task a config entry describes; ``tokenizer`` lets ``tool_parser: auto`` pick the format."""
+    from polyrl.envs.tool_parsers import get_parser
+
+    check_task(config, key="task")
+    spec = ENVS[env_name(config)]
+    parser = get_parser(config.tool_parser, tokenizer)
+    ctx = TaskContext(seed, _params(spec, config, "task"), parser, system_prompt)
+    return spec.factory(config, ctx)
