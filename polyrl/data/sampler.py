@@ -23,8 +23,9 @@ class TaskSampler:
         self.seed = seed
         self.cursors = {n: 0 for n in self.names}
 
-    def draw(self, step: int, n: int) -> list[Draw]:
-        rng = random.Random(f"{self.seed}-{step}")
+    def draw(self, step: int, n: int, round_index: int = 0) -> list[Draw]:
+        """Draw ``n`` items for ``step``; extra rounds within a step (dynamic sampling) get their own choices."""
+        rng = random.Random(f"{self.seed}-{step}" if round_index == 0 else f"{self.seed}-{step}-{round_index}")
         chosen = rng.choices(self.names, weights=self.weights, k=n)
         out = []
         for name in chosen:
