@@ -18,12 +18,12 @@ from polyrl.config import Config, dump_config
 from polyrl.data.dynamic_sampling import dynamic_sample
 from polyrl.data.sampler import TaskSampler
 from polyrl.engines.hf import HFEngine
-from polyrl.envs.reasoning_gym import ReasoningGymTask
+from polyrl.envs.base import Task, make_task
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
 from polyrl.observe.progress import TrainProgress
 from polyrl.observe.report import write_report_safely
-from polyrl.rollout.single_turn import evaluate, rollout
+from polyrl.rollout.multi_turn import evaluate, rollout, rollout_metrics
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from polyrl.train.learner import Learner
 from polyrl.types import Trajectory
@@ -41,7 +41,7 @@ class Run:
     run_dir: Path
     model: Any
     tokenizer: Any
-    tasks: dict[str, ReasoningGymTask]
+    tasks: dict[str, Task]
     engine: HFEngine
     learner: Learner
     sampler: TaskSampler
@@ -52,7 +52,7 @@ def build_run(config: Config, run_dir: Path) -> Run:
     tokenizer = load_tokenizer(config.model.name)
     model = load_model(config.model.name, config.model.lora, seed=config.train.seed)
     tasks = {
-        t.name: ReasoningGymTask(t, config.train.seed, config.model.system_prompt) for t in config.tasks
+        t.name: make_task(t, config.train.seed, config.model.system_prompt, tokenizer) for t in config.tasks
     }
     engine = HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=config.engine.bf16_weights)
     learner = Learner(
@@ -104,6 +104,7 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
         **shaping,
         "response_length/mean": generated / len(sampled),
         "truncated_frac": mean(float(t.truncated) for t in sampled),
+        **rollout_metrics(sampled),
         "zero_variance_groups": batch.zero_variance_groups,
         **batch.metrics(),
         **update,

@@ -1,0 +1,253 @@
+"""Multi-turn rollouts over the env protocol; single-turn tasks are the one-step case of the same loop.
+
+Trajectories are token-faithful: each model turn's tokens are kept exactly as sampled (never decoded and
+re-encoded), env tokens are the chat template's text between turns (``ChatRenderer.continuation``), and only
+model tokens carry loss_mask 1, a behaviour log-prob and a policy version. Each turn, every still-active
+sample generates in one batch; the first turn shares each group's prompt prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from statistics import mean
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from polyrl.engines.hf import Completion, HFEngine
+from polyrl.envs.base import Env, Message, Task
+from polyrl.rollout.render import ChatRenderer
+from polyrl.types import Trajectory
+
+# Later turns draw from seeds far from the first turn's, which stays ``seed`` (as single-turn rollouts were).
+TURN_SEED_STRIDE = 1_000_033
+
+
+def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    # Special tokens stay (a parser may need e.g. <|python_tag|>); no clean-up, so text matches the tokens.
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+@dataclass
+class Episode:
+    """One sample's interaction in progress."""
+
+    task: Task
+    item_id: int
+    item: dict[str, Any]
+    group_id: int
+    env: Env
+    renderer: ChatRenderer
+    messages: list[Message]
+    context: str
+    """The conversation so far as template text (what ``ids`` spell)."""
+    ids: list[int]
+    max_turns: int
+    max_tokens: int | None
+    prompt_len: int = 0
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    turns: int = 0
+    done: bool = False
+    env_done: bool = False
+    truncated: bool = False
+    last_info: dict[str, Any] = field(default_factory=dict)
+    tool_calls: int = 0
+    valid_tool_calls: int = 0
+    tool_errors: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.ids)
+        self.loss_mask = [0] * self.prompt_len
+        self.logprobs = [0.0] * self.prompt_len
+        self.versions = [-1] * self.prompt_len
+
+    def tokens_left(self) -> int | None:
+        return None if self.max_tokens is None else self.max_tokens - (len(self.ids) - self.prompt_len)
+
+    def turn_limit(self, max_new_tokens: int) -> int:
+        left = self.tokens_left()
+        return max_new_tokens if left is None else max(0, min(max_new_tokens, left))
+
+    def finish(self, env_done: bool, truncated: bool) -> None:
+        self.done, self.env_done, self.truncated = True, env_done, truncated
+
+    def append(self, ids: list[int], logprobs: list[float] | None, version: int) -> None:
+        model = logprobs is not None
+        self.ids += ids
+        self.loss_mask += [int(model)] * len(ids)
+        self.logprobs += logprobs if model else [0.0] * len(ids)
+        self.versions += [version if model else -1] * len(ids)
+
+
+def start_episode(task: Task, item_id: int, item: dict[str, Any], group_id: int, tokenizer) -> Episode:
+    env = task.make_env()
+    messages = list(env.reset(item))
+    renderer = ChatRenderer(tokenizer, env.tools, env.tool_parser)
+    context, ids = renderer.prompt(messages)
+    max_turns = task.config.max_turns or env.max_turns
+    return Episode(task, item_id, item, group_id, env, renderer, messages, context, ids, max_turns,
+                   task.config.max_tokens)
+
+
+def advance(episode: Episode, completion: Completion, limit: int, version: int, engine: HFEngine) -> None:
+    """Append one model turn, step the env, and append its observation tokens (or end the episode)."""
+    e, tok = episode, engine.tokenizer
+    ids, logprobs = completion.token_ids[:limit], completion.logprobs[:limit]
+    stopped = bool(ids) and ids[-1] in engine.stop_ids
+    start = len(e.ids)
+    e.append(ids, logprobs, version)
+    e.spans.append((start, len(e.ids)))
+    reply = _decode(tok, ids[:-1] if stopped else ids)
+    observations, reward, done, info = e.env.step(reply)
+    e.turns += 1
+    e.rewards.append(float(reward))
+    e.last_info = info
+    e.tool_calls += int(info.get("tool_calls", 0))
+    e.valid_tool_calls += int(info.get("valid_tool_calls", 0))
+    if info.get("tool_error"):
+        e.tool_errors.append(str(info["tool_error"]))
+    history = e.messages
+    e.messages = [*history, {"role": "assistant", "content": reply}]
+    if done:
+        e.finish(env_done=True, truncated=not stopped)
+        return
+    if e.turns >= e.max_turns or e.tokens_left() == 0:
+        e.finish(env_done=False, truncated=True)
+        return
+    stop_text = _decode(tok, ids[-1:]) if stopped else None
+    tail, tail_ids = e.renderer.continuation(e.context, history, reply, stop_text, observations)
+    left = e.tokens_left()
+    if left is not None and len(tail_ids) >= left:  # no room left for the model's next turn
+        e.finish(env_done=False, truncated=True)
+        return
+    e.append(tail_ids, None, version)
+    e.context = e.context + reply + (stop_text or "") + tail
+    e.messages += observations
+
+
+def to_trajectory(e: Episode, tokenizer: PreTrainedTokenizerBase) -> Trajectory:
+    total = sum(e.rewards)
+    # Evaluation's success measure: the env's own score when it ended the episode, else nothing was solved.
+    score = float(e.last_info.get("score", total)) if e.env_done else 0.0
+    info: dict[str, Any] = {
+        "answer": e.item.get("answer"), "score": score, "turns": e.turns, "env_done": e.env_done,
+    }
+    if e.env.tools:
+        info.update(tool_calls=e.tool_calls, valid_tool_calls=e.valid_tool_calls, tool_errors=e.tool_errors)
+    return Trajectory(
+        task=e.task.name,
+        item_id=e.item_id,
+        group_id=e.group_id,
+        input_ids=e.ids,
+        loss_mask=e.loss_mask,
+        logprobs=e.logprobs,
+        versions=e.versions,
+        turn_spans=e.spans,
+        text=_decode(tokenizer, e.ids[e.prompt_len :]),
+        rewards={e.task.name: total},
+        reward=total,
+        truncated=e.truncated,
+        info=info,
+    )
+
+
+def rollout(
+    engine: HFEngine,
+    requests: list[tuple[Task, int, dict[str, Any]]],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    version: int,
+    first_group_id: int = 0,
+) -> list[Trajectory]:
+    """Play ``group_size`` episodes per (task, item_id, item) request; ``max_new_tokens`` is per model turn.
+
+    Turn limits and token budgets come from each task (``tasks[].max_turns`` / ``max_tokens``, or the env's
+    default), so tasks of different kinds can share one batch.
+    """
+    episodes = play(
+        engine, requests, group_size, max_new_tokens, temperature, top_p, seed, version, first_group_id
+    )
+    return [to_trajectory(e, engine.tokenizer) for e in episodes]
+
+
+def play(
+    engine: HFEngine,
+    requests: list[tuple[Task, int, dict[str, Any]]],
+    group_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_p: float,
+    seed: int,
+    version: int,
+    first_group_id: int = 0,
+) -> list[Episode]:
+    """``rollout`` before the conversion to Trajectories: the finished episodes, messages included."""
+    tok = engine.tokenizer
+    episodes: list[Episode] = []
+    for g, (task, item_id, item) in enumerate(requests):
+        group = [start_episode(task, item_id, item, first_group_id + g, tok) for _ in range(group_size)]
+        if any(e.ids != group[0].ids for e in group):
+            raise ValueError(f"task '{task.name}': env reset gave different prompts for one item; it must be "
+                             "deterministic in the item")
+        episodes += group
+    turn = 0
+    while active := [e for e in episodes if not e.done]:
+        limits = [e.turn_limit(max_new_tokens) for e in active]
+        turn_seed = seed + turn * TURN_SEED_STRIDE
+        if turn == 0:  # every group's samples share one prompt: prefill it once
+            groups = engine.generate([episodes[i * group_size].ids for i in range(len(requests))], group_size,
+                                     max(limits), temperature, top_p, turn_seed)
+            completions = [c for group in groups for c in group]
+        else:
+            outs = engine.generate([e.ids for e in active], 1, max(limits), temperature, top_p, turn_seed)
+            completions = [c for (c,) in outs]
+        for e, c, limit in zip(active, completions, limits, strict=True):
+            advance(e, c, limit, version, engine)
+        turn += 1
+    return episodes
+
+
+def evaluate(
+    engine: HFEngine, task: Task, n: int | None, max_new_tokens: int, batch_size: int = 64
+) -> dict[str, float]:
+    """Greedy episodes on the task's held-out items (the same items for every call with the same seed).
+
+    ``accuracy`` counts fully solved episodes (score 1); ``mean_score`` keeps the scorer's partial credit.
+    """
+    items = task.eval_items(n)
+    trajectories: list[Trajectory] = []
+    for start in range(0, len(items), batch_size):
+        chunk = [(task, start + i, item) for i, item in enumerate(items[start : start + batch_size])]
+        trajectories += rollout(engine, chunk, 1, max_new_tokens, 0.0, 1.0, seed=0, version=-1)
+    scores = [t.info["score"] for t in trajectories]
+    count = max(len(scores), 1)
+    return {
+        "accuracy": sum(s >= 1.0 for s in scores) / count,
+        "mean_score": sum(scores) / count,
+        "n": len(scores),
+        "response_length": sum(t.num_model_tokens for t in trajectories) / count,
+        **rollout_metrics(trajectories),
+    }
+
+
+def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float | None]:
+    """Turn and tool-use statistics: ``turns/mean`` always; for tool envs ``tool_calls/mean``,
+    ``valid_tool_call_rate`` (None when no call was attempted) and ``tool_errors/mean``."""
+    if not trajectories:
+        return {}
+    metrics: dict[str, float | None] = {"turns/mean": mean(t.info.get("turns", 1) for t in trajectories)}
+    tool = [t for t in trajectories if "tool_calls" in t.info]
+    if tool:
+        calls = sum(t.info["tool_calls"] for t in tool)
+        metrics["tool_calls/mean"] = calls / len(tool)
+        valid = sum(t.info["valid_tool_calls"] for t in tool)
+        metrics["valid_tool_call_rate"] = valid / calls if calls else None
+        metrics["tool_errors/mean"] = mean(len(t.info["tool_errors"]) for t in tool)
+    return metrics
