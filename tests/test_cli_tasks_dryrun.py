@@ -71,3 +71,32 @@ def test_dry_run_bad_config_is_one_line_naming_the_key(tmp_path):
     assert res.returncode == 2
     assert "rollout.group_size" in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_the_documented_single_turn_task_runs():
+    """The example in docs/tasks-and-environments.md, executed as written."""
+    from pathlib import Path
+
+    from polyrl.config import TaskConfig
+    from polyrl.envs import ENVS, make_task
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "tasks-and-environments.md").read_text()
+    code = doc.split("<!-- example:start -->\n```python\n")[1].split("```\n<!-- example:end -->")[0]
+    try:
+        exec(compile(code, "docs/tasks-and-environments.md", "exec"), {})
+        task = make_task(TaskConfig(name="times_table"), seed=3)
+        item = task.train_item(5)
+        assert item == task.train_item(5) and item != task.train_item(6)
+        env = task.make_env()
+        assert item["question"] in env.reset(item)[0]["content"]
+        assert env.step(f"It is {item['answer']}.").reward == 1.0
+        env.reset(item)
+        assert env.step("no idea").reward == 0.0
+        from polyrl.observe.catalog import environments
+
+        assert (
+            "times_table",
+            "One-digit multiplication questions, scored on the last number of the reply.",
+        ) in (environments())
+    finally:
+        ENVS.pop("times_table", None)
