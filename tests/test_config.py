@@ -1,0 +1,62 @@
+"""Config errors are one line that names the file and key."""
+
+import pytest
+import yaml
+
+from conftest import SMOKE
+from polyrl.config import ConfigError, load_config
+
+
+def _error(tmp_path, data=None, overrides=(), source=None):
+    path = tmp_path / "exp.yaml"
+    base = yaml.safe_load(SMOKE.read_text())
+    path.write_text(yaml.safe_dump(data if data is not None else base))
+    with pytest.raises(ConfigError) as exc:
+        load_config(path, list(overrides))
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith(source or str(path))
+    return msg
+
+
+def test_smoke_and_quickstart_load():
+    cfg = load_config(SMOKE, ["optim.lr=3e-4", "tasks.0.eval_size=5"])
+    assert cfg.optim.lr == 3e-4 and cfg.tasks[0].eval_size == 5
+    assert load_config(SMOKE.parent / "quickstart.yaml").model.name == "smollm2-135m-instruct"
+
+
+def test_unknown_key_is_named(tmp_path):
+    assert "optim.lrr: unknown key" in _error(tmp_path, overrides=["optim.lrr=1"])
+
+
+def test_wrong_type_is_named(tmp_path):
+    msg = _error(tmp_path, overrides=["rollout.group_size=eight"])
+    assert "rollout.group_size" in msg and "integer" in msg
+
+
+def test_out_of_range_value_is_named(tmp_path):
+    assert "rollout.temperature" in _error(tmp_path, overrides=["rollout.temperature=-1"])
+
+
+def test_unknown_task_lists_valid_ones(tmp_path):
+    msg = _error(tmp_path, overrides=["tasks.0.name=chain_summ"])
+    assert "tasks.0.name: unknown task 'chain_summ'" in msg and "chain_sum," in msg
+
+
+def test_unknown_algorithm_lists_valid_ones(tmp_path):
+    msg = _error(tmp_path, overrides=["algorithm.loss=ppo_clipp"])
+    assert "algorithm.loss" in msg and "ppo_clip" in msg
+
+
+def test_missing_tasks_and_bad_yaml(tmp_path):
+    assert "tasks: required key is missing" in _error(tmp_path, data={"name": "x"})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_override_syntax_errors_name_the_override(tmp_path):
+    assert "expected key=value" in _error(tmp_path, overrides=["optim.lr"], source="override 'optim.lr'")
+    assert "tasks.5" in _error(tmp_path, overrides=["tasks.5.name=x"], source="override 'tasks.5.name'")

@@ -1,0 +1,33 @@
+"""LoRA: only adapters train, and the KL reference is the same weights with adapters disabled."""
+
+import torch
+
+from polyrl.config import AlgorithmConfig, LoraConfig, OptimConfig
+from polyrl.models.loading import load_model
+from polyrl.train.learner import Learner, collate, token_logprobs
+from polyrl.types import Trajectory
+
+
+def _batch():
+    prompt, resp = [5, 6, 7, 8], [20, 21, 22]
+    t = Trajectory(task="t", item_id=0, group_id=0, input_ids=prompt + resp, loss_mask=[0] * 4 + [1] * 3,
+                   logprobs=[0.0] * 7, versions=[0] * 7, advantage=1.0)
+    return [t, Trajectory(**{**t.__dict__, "advantage": -1.0, "input_ids": prompt + [23, 24, 25]})]
+
+
+def test_lora_reference_is_base_model_without_a_copy():
+    torch.manual_seed(0)
+    base = load_model("tiny-random", None, seed=1)
+    policy = load_model("tiny-random", LoraConfig(r=4, alpha=8), seed=1)
+    learner = Learner(policy, AlgorithmConfig(kl_coef=0.1), OptimConfig(lr=1e-2), 1.0, False, pad_id=2)
+    assert learner.ref_model is None  # no second copy of the weights
+    trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    batch = collate(_batch(), pad_id=2)
+    expected = token_logprobs(base, batch, 1.0, False)[0]
+    for _ in range(3):
+        metrics = learner.update(_batch())
+    # After updates the policy moved away from the base, the reference did not.
+    assert metrics["kl"] > 0
+    assert torch.allclose(learner._reference_logprobs(batch), expected, atol=1e-5)
+    assert not torch.allclose(token_logprobs(policy, batch, 1.0, False)[0], expected, atol=1e-4)
