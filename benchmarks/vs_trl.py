@@ -55,7 +55,9 @@ class Snapshots:
             self.due.pop(0)
             path = self.out / f"snapshot-{len(self.saved) + 1}"
             save(path)
-            self.saved.append({"train_time_s": self.train_time, "step": len(self.step_times), "path": str(path)})
+            self.saved.append(
+                {"train_time_s": self.train_time, "step": len(self.step_times), "path": str(path)}
+            )
         return self.train_time >= self.budget
 
     def result(self) -> dict:
@@ -69,7 +71,12 @@ def worker_polyrl(args) -> dict:
     from polyrl.train.loop import build_run, rl_step
 
     torch.manual_seed(0)
-    overrides = [f"optim.lr={args.polyrl_lr}", "eval.before=false", "eval.after=false", "logging.progress=false"]
+    overrides = [
+        f"optim.lr={args.polyrl_lr}",
+        "eval.before=false",
+        "eval.after=false",
+        "logging.progress=false",
+    ]
     if args.lora:
         overrides += ["model.lora={r: 16, alpha: 32}"]
     cfg = load_config(QUICKSTART, overrides)
@@ -107,7 +114,9 @@ def worker_trl(args) -> dict:
     dataset = Dataset.from_list(rows)
 
     def reward(completions, index, **_):
-        return [task.score(task.train_item(i), c[0]["content"]) for c, i in zip(completions, index, strict=True)]
+        return [
+            task.score(task.train_item(i), c[0]["content"]) for c, i in zip(completions, index, strict=True)
+        ]
 
     out = Path(args.out) / "trl"
     clock = Snapshots(out, args.minutes, args.points)
@@ -148,8 +157,13 @@ def worker_trl(args) -> dict:
         disable_tqdm=True,
     )
     trainer = GRPOTrainer(
-        model=model, reward_funcs=reward, args=config, train_dataset=dataset,
-        processing_class=tokenizer, peft_config=peft_config, callbacks=[Clock()],
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        callbacks=[Clock()],
     )
     trainer.train()
     return clock.result()
@@ -212,8 +226,11 @@ def main() -> None:
 
     kinds = ["polyrl", "trl"] if args.only == "both" else [args.only]
     runs = {kind: _spawn(kind, args) for kind in kinds}
-    results = {"settings": {k: v for k, v in vars(args).items() if k != "worker"},
-               "accuracy_before": evaluate_dir(None, args.eval_n), "frameworks": {}}
+    results = {
+        "settings": {k: v for k, v in vars(args).items() if k != "worker"},
+        "accuracy_before": evaluate_dir(None, args.eval_n),
+        "frameworks": {},
+    }
     for kind, res in runs.items():
         for snap in res["snapshots"]:
             snap["accuracy"] = evaluate_dir(snap["path"], args.eval_n)
@@ -234,12 +251,18 @@ def main() -> None:
     print(f"{'framework':<10}{'steps':>7}{'s/step':>9}{'final acc':>11}{'min to 74.5%':>14}")
     for kind, r in results["frameworks"].items():
         reach = "-" if r["minutes_to_bar"] is None else f"{r['minutes_to_bar']:.2f}"
-        print(f"{kind:<10}{r['steps']:>7}{r['median_step_s']:>9.2f}{100 * r['final_accuracy']:>10.1f}%{reach:>14}")
+        print(
+            f"{kind:<10}{r['steps']:>7}{r['median_step_s']:>9.2f}{100 * r['final_accuracy']:>10.1f}%{reach:>14}"
+        )
     fw = results["frameworks"]
     if "trl" in fw and "polyrl" in fw:
-        print(f"step-time ratio TRL / polyrl: {fw['trl']['median_step_s'] / fw['polyrl']['median_step_s']:.2f}x")
+        print(
+            f"step-time ratio TRL / polyrl: {fw['trl']['median_step_s'] / fw['polyrl']['median_step_s']:.2f}x"
+        )
     for kind, r in fw.items():
-        curve = ", ".join(f"{s['train_time_s'] / 60:.1f}min {100 * s['accuracy']:.1f}%" for s in r["snapshots"])
+        curve = ", ".join(
+            f"{s['train_time_s'] / 60:.1f}min {100 * s['accuracy']:.1f}%" for s in r["snapshots"]
+        )
         print(f"{kind} accuracy vs training time: {curve}")
 
 

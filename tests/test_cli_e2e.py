@@ -6,12 +6,23 @@ import sys
 
 from conftest import SMOKE
 
-REQUIRED = ["step", "reward/mean", "reward/chain_sum", "kl", "entropy", "loss", "response_length/mean",
-            "tokens_per_s", "step_time_s"]
+REQUIRED = [
+    "step",
+    "reward/mean",
+    "reward/chain_sum",
+    "kl",
+    "entropy",
+    "loss",
+    "response_length/mean",
+    "tokens_per_s",
+    "step_time_s",
+]
 
 
 def polyrl(*args, check=True):
-    return subprocess.run([sys.executable, "-m", "polyrl", *args], capture_output=True, text=True, check=check)
+    return subprocess.run(
+        [sys.executable, "-m", "polyrl", *args], capture_output=True, text=True, check=check
+    )
 
 
 def test_train_smoke_writes_the_run_contract(tmp_path):
@@ -24,7 +35,14 @@ def test_train_smoke_writes_the_run_contract(tmp_path):
         assert key in lines[0], key
     assert lines[0]["kl"] is not None and lines[0]["kl"] >= 0
     ckpt = out / "checkpoints" / "step-2"
-    for name in ("model.safetensors", "config.json", "optimizer.pt", "rng.pt", "trainer_state.json", "manifest.json"):
+    for name in (
+        "model.safetensors",
+        "config.json",
+        "optimizer.pt",
+        "rng.pt",
+        "trainer_state.json",
+        "manifest.json",
+    ):
         assert (ckpt / name).exists(), name
     assert json.loads((ckpt / "trainer_state.json").read_text())["sampler"]["cursors"]["chain_sum"] == 4
     summary = json.loads((out / "summary.json").read_text())
@@ -49,6 +67,8 @@ def test_eval_unknown_task_lists_valid_ones():
 
 
 def test_missing_model_path_says_so(tmp_path):
-    res = polyrl("train", str(SMOKE), "--output", str(tmp_path / "r"), f"model.name={tmp_path}/nope", check=False)
+    res = polyrl(
+        "train", str(SMOKE), "--output", str(tmp_path / "r"), f"model.name={tmp_path}/nope", check=False
+    )
     assert res.returncode == 2
     assert "no such directory" in res.stderr and "Traceback" not in res.stderr

@@ -10,16 +10,26 @@ from polyrl.types import Trajectory
 def _traj(prompt, response, group):
     ids = prompt + response
     return Trajectory(
-        task="t", item_id=group, group_id=group, input_ids=ids,
-        loss_mask=[0] * len(prompt) + [1] * len(response), logprobs=[0.0] * len(ids), versions=[0] * len(ids),
+        task="t",
+        item_id=group,
+        group_id=group,
+        input_ids=ids,
+        loss_mask=[0] * len(prompt) + [1] * len(response),
+        logprobs=[0.0] * len(ids),
+        versions=[0] * len(ids),
     )
 
 
 def _batch():
     # Two groups with different prompt lengths; responses of different lengths inside each group.
     p1, p2 = [5, 6, 7, 8, 9], [11, 12, 13]
-    trajs = [_traj(p1, [20, 21, 22], 0), _traj(p1, [23], 0), _traj(p1, [24, 25], 0),
-             _traj(p2, [30, 31, 32, 33], 1), _traj(p2, [34, 35], 1)]
+    trajs = [
+        _traj(p1, [20, 21, 22], 0),
+        _traj(p1, [23], 0),
+        _traj(p1, [24, 25], 0),
+        _traj(p2, [30, 31, 32, 33], 1),
+        _traj(p2, [34, 35], 1),
+    ]
     return collate(trajs, pad_id=2)
 
 

@@ -85,7 +85,9 @@ class HFEngine:
         self.head_weight.copy_(self.policy.get_output_embeddings().weight)
 
     def _last_logits(self, input_ids, mask, positions, cache):
-        hidden, cache = decoder_forward(self.model, input_ids, mask, positions, self.bf16, cache, use_cache=True)
+        hidden, cache = decoder_forward(
+            self.model, input_ids, mask, positions, self.bf16, cache, use_cache=True
+        )
         hidden = hidden[:, -1].float()
         if self.head_weight is not None:
             return F.linear(hidden, self.head_weight), cache
@@ -137,9 +139,9 @@ class HFEngine:
         for step in range(max_new_tokens):
             tok, lp = sample_tokens(logits, temperature, top_p, generator)
             alive = []
-            for b, (row, t, l) in enumerate(zip(rows.tolist(), tok.tolist(), lp.tolist(), strict=True)):
+            for b, (row, t, logp) in enumerate(zip(rows.tolist(), tok.tolist(), lp.tolist(), strict=True)):
                 tokens[row].append(t)
-                logps[row].append(l)
+                logps[row].append(logp)
                 if t in self.stop_ids:
                     finished[row] = True
                 else:

@@ -54,5 +54,7 @@ def forward_logits(
     use_cache: bool = False,
 ):
     """Return (float32 logits of the last ``keep`` positions [B, keep, V], the KV cache or None)."""
-    hidden, cache = decoder_forward(model, input_ids, attention_mask, position_ids, bf16, past_key_values, use_cache)
+    hidden, cache = decoder_forward(
+        model, input_ids, attention_mask, position_ids, bf16, past_key_values, use_cache
+    )
     return head_logits(model, hidden[:, -keep:]), cache
