@@ -83,7 +83,9 @@ class Episode:
         self.versions += [version if model else -1] * len(ids)
 
 
-def start_episode(task: Task, item_id: int, item: dict[str, Any], group_id: int, tokenizer) -> Episode:
+def start_episode(
+    task: Task, item_id: int, item: dict[str, Any], group_id: int, tokenizer: PreTrainedTokenizerBase
+) -> Episode:
     env = task.make_env()
     messages = list(env.reset(item))
     renderer = ChatRenderer(tokenizer, env.tools, env.tool_parser)
