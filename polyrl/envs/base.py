@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
-from polyrl.config import TaskConfig
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # type-only: config validates task names through this package
+    from polyrl.config import TaskConfig
     from polyrl.envs.tool_parsers import ToolParser
     from polyrl.envs.tools import Tool
 
@@ -119,7 +118,7 @@ class TaskContext:
     system_prompt: str | None = None
 
 
-TaskFactory = Callable[[TaskConfig, TaskContext], Task]
+TaskFactory = Callable[["TaskConfig", TaskContext], Task]
 
 
 @dataclass

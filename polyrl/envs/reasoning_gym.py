@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 from functools import cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from polyrl.config import TaskConfig
 from polyrl.envs.base import EVAL_SEED_OFFSET, Env, Message, SingleTurnEnv, Task, TaskContext, register_env
+
+if TYPE_CHECKING:  # type-only: config validates task names through this package
+    from polyrl.config import TaskConfig
 
 TRAIN_SIZE = 1_000_000
 
@@ -46,8 +48,10 @@ def make_datasets(name: str, params: dict[str, Any], seed: int, eval_size: int) 
     try:
         train = reasoning_gym.create_dataset(name, size=TRAIN_SIZE, seed=seed, **params)
         held_out = reasoning_gym.create_dataset(name, size=eval_size, seed=seed + EVAL_SEED_OFFSET, **params)
-    except TypeError as exc:
-        raise ValueError(f"task '{name}': bad params {params}: {exc}") from None
+        train[0]  # items are generated lazily: make params that only fail there fail now
+    except Exception as exc:  # noqa: BLE001 - whatever a dataset constructor raises, the params are bad
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"task '{name}': bad params {params}: {detail}") from None
     return train, held_out
 
 
