@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 class ConfigError(ValueError):
     """A config problem, phrased as one line that names the file and key."""
 
+    def __init__(self, message: str) -> None:
+        # Keys and values quoted in the message are user text: their line breaks must not split the line.
+        super().__init__(message.replace("\r", "\\r").replace("\n", "\\n"))
+
 
 class _Strict(BaseModel):
     # Attribute docstrings become field descriptions: docs/configuration.md is generated from them.
@@ -255,17 +259,23 @@ def apply_override(data: dict[str, Any], dotted: str) -> None:
             if not part.isdigit() or int(part) >= len(node):
                 raise ConfigError(f"override '{key}': '{where}' is not an index of the list")
             node = node[int(part)]
+            if not isinstance(node, dict | list):
+                raise ConfigError(f"override '{key}': '{where}' is a value, not a section")
         else:
             node = node.setdefault(part, {})
             if not isinstance(node, dict | list):
                 raise ConfigError(f"override '{key}': '{where}' is a value, not a section")
     last = parts[-1]
+    try:
+        value = _parse_value(raw)
+    except (yaml.YAMLError, RecursionError):
+        raise ConfigError(f"override '{key}': the value is not valid YAML") from None
     if isinstance(node, list):
         if not last.isdigit() or int(last) >= len(node):
             raise ConfigError(f"override '{key}': '{last}' is not an index of the list")
-        node[int(last)] = _parse_value(raw)
+        node[int(last)] = value
     else:
-        node[last] = _parse_value(raw)
+        node[last] = value
 
 
 def _format_error(source: str, err: ValidationError) -> str:
@@ -290,7 +300,11 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, dat
         if not p.is_file():
             raise ConfigError(f"{source}: no such config file")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+        except RecursionError:
+            raise ConfigError(f"{source}: nested too deeply to be a config") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""

@@ -117,9 +117,10 @@ def _run(code, level, timeout_s, memory_mb, max_processes, max_file_mb, max_outp
         work, root = Path(tmp, "work"), Path(tmp, "root")
         work.mkdir(mode=0o700)
         root.mkdir(mode=0o700)
-        (work / "main.py").write_text(code, encoding="utf-8", errors="surrogateescape")
+        # Lone surrogates pass through as bytes; Python then rejects the file, which is the program's failure.
+        (work / "main.py").write_bytes(code.encode("utf-8", "surrogatepass"))
         stdin_path = work / ".stdin"
-        stdin_path.write_bytes(stdin.encode() if isinstance(stdin, str) else (stdin or b""))
+        stdin_path.write_bytes(stdin.encode("utf-8", "surrogatepass") if isinstance(stdin, str) else (stdin or b""))
         if level == "rlimits" and uid is not None:
             if _world_readable(python, sys.base_prefix):
                 os.chmod(tmp, 0o711)  # traversable, not listable: the uid reaches only its mode-700 work dir
@@ -376,10 +377,8 @@ def _launch(spec: dict) -> int:
             return _SETUP_FAILED
         if done == pid:
             break
-    if os.WIFSIGNALED(status):
-        report = {"signal": os.WTERMSIG(status)}
-    else:
-        report = {"exit": os.waitstatus_to_exitcode(status)}
+    signalled = os.WIFSIGNALED(status)
+    report = {"signal": os.WTERMSIG(status)} if signalled else {"exit": os.waitstatus_to_exitcode(status)}
     os.write(fd, json.dumps(report).encode())
     return 0
 
