@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from polyrl.train import faults
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -65,6 +67,7 @@ def save_checkpoint(
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+    faults.point("ckpt_files", step)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
     manifest = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -72,10 +75,12 @@ def save_checkpoint(
         with open(p, "rb") as f:
             os.fsync(f.fileno())
     _fsync_dir(tmp)
+    faults.point("ckpt_manifest", step)
     if final.exists():  # a re-run of the same step after a resume: replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
+    faults.point("ckpt_renamed", step)
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -95,16 +100,35 @@ def verify_checkpoint(path: Path) -> str | None:
     if not manifest_path.exists():
         return f"{path}: no {MANIFEST} (torn write)"
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
+        manifest = json.loads(manifest_path.read_bytes())
+    except ValueError:  # bad JSON or bad UTF-8
         return f"{path}: {MANIFEST} is not valid JSON"
-    for name, digest in manifest["files"].items():
+    try:
+        entries = [(str(name), digest) for name, digest in manifest["files"].items()]
+    except (TypeError, KeyError, AttributeError):
+        return f"{path}: {MANIFEST} has no 'files' mapping"
+    if not entries:
+        return f"{path}: {MANIFEST} lists no files"
+    m = _STEP_DIR.match(path.name)
+    if m and manifest.get("step") != int(m.group(1)):
+        return f"{path}: {MANIFEST} is for step {manifest.get('step')}, not {m.group(1)}"
+    for name, digest in entries:
         f = path / name
-        if not f.exists():
+        if not f.is_file():
             return f"{path}: missing {name}"
         if _sha256(f) != digest:
             return f"{path}: checksum mismatch in {name}"
     return None
+
+
+def remove_partial_saves(run_dir: Path) -> list[Path]:
+    """Delete the temp dirs of saves that were killed before their rename; for the process that owns the run
+    (a reader of a live run dir must not call it: the trainer may be writing one)."""
+    root = run_dir / "checkpoints"
+    stale = sorted(root.glob(".step-*.tmp")) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

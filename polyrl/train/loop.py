@@ -24,7 +24,8 @@ from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
 from polyrl.observe.progress import TrainProgress
 from polyrl.observe.report import write_report_safely
 from polyrl.rollout.multi_turn import evaluate, rollout, rollout_metrics
-from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from polyrl.train import faults
+from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.train.learner import Learner
 from polyrl.types import Trajectory
 
@@ -78,6 +79,7 @@ def _sample_round(run: Run, step: int, round_index: int, n_prompts: int, first_i
 def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
     """One synchronous RL step; returns the step's metrics and the scored trajectories it trained on."""
     cfg, algo, t0 = run.config, run.config.algorithm, time.perf_counter()
+    faults.point("rollout", step)
     # 1. sample tasks, 2. roll out and 3. score; DAPO dynamic sampling swaps zero-variance groups for new ones
     batch = dynamic_sample(
         lambda k, n, first_id: _sample_round(run, step, k, n, first_id),
@@ -90,6 +92,7 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
     assign_advantages(trajectories, algo)
     # 5. loss and 6. update
     t1 = time.perf_counter()
+    faults.point("update", step)
     update = run.learner.update(trajectories)
     # 7. sync weights into the engine
     run.engine.sync()
@@ -144,6 +147,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
 
     start, train_time = 0, 0.0
     ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume:
+        remove_partial_saves(run_dir)  # temp dirs of saves killed before their rename
     if resume and ckpt is None:
         log(f"{run_dir}: no usable checkpoint to resume from; starting from step 0")
     if ckpt is not None:
@@ -182,6 +187,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
                 metrics.update({f"ratio/{k}": v for k, v in run.sampler.realised_ratio().items()})
                 logger.write(step, metrics)
                 samples.write(step, trajectories)
+                faults.point("logged", step)
                 progress.update(step, metrics)
                 skipped_in_row = skipped_in_row + 1 if metrics["skipped_updates"] else 0
                 if skipped_in_row >= config.train.max_skipped_updates:

@@ -1,0 +1,50 @@
+"""Fault injection for the kill-and-resume tests: named points in the loop where a run can be SIGKILLed.
+
+``POLYRL_TEST_KILL_AT="phase:step"`` kills the process when it reaches ``point(phase, step)``;
+``"phase:step#2"`` the second time it gets there (the final checkpoint can rewrite the last one);
+``"phase:step+0.05"`` kills it 0.05 s later, from a timer thread, i.e. somewhere inside the work that follows
+the point (generation after ``rollout``, the optimizer update after ``update``). ``POLYRL_TEST_FAULT_TRACE``
+names a file that gets one ``phase:step`` line per point reached, so a test can tell where a kill landed.
+Both unset (the normal case), ``point`` costs two environment lookups.
+
+Points: ``rollout`` (start of a step), ``update`` (before the optimizer update), ``logged`` (metrics and
+trajectories written), ``ckpt_files`` / ``ckpt_manifest`` / ``ckpt_renamed`` (inside ``save_checkpoint``:
+files written to the temp dir, manifest written, temp dir renamed into place).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+KILL_AT = "POLYRL_TEST_KILL_AT"
+TRACE = "POLYRL_TEST_FAULT_TRACE"
+_seen: dict[str, int] = {}
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def point(phase: str, step: int) -> None:
+    """Mark that the run reached ``phase`` of ``step``; kill it here (or shortly after) if a test asked to."""
+    trace = os.environ.get(TRACE)
+    if trace:
+        with open(trace, "a") as f:
+            f.write(f"{phase}:{step}\n")
+    spec = os.environ.get(KILL_AT)
+    if not spec:
+        return
+    target, _, delay = spec.partition("+")
+    target, _, nth = target.partition("#")
+    here = f"{phase}:{step}"
+    if target != here:
+        return
+    _seen[here] = _seen.get(here, 0) + 1
+    if _seen[here] != int(nth or 1):
+        return
+    if delay:
+        threading.Timer(float(delay), _kill).start()
+    else:
+        _kill()
