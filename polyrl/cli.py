@@ -116,13 +116,14 @@ def _pct(x: float | None) -> str:
 @app.command("eval")
 def eval_cmd(
     model: Annotated[str, typer.Option("--model", help="Model alias or HF directory (a checkpoint works).")],
-    task: Annotated[str, typer.Option("--task", help="reasoning-gym task name.")],
+    task: Annotated[str, typer.Option("--task", help="Task name (`polyrl tasks` lists them).")],
     n: Annotated[int, typer.Option("--n", help="Number of held-out items.")] = 200,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the held-out split.")] = 0,
     params: Annotated[str, typer.Option("--params", help="Task params as JSON.")] = "{}",
     prompt_suffix: Annotated[str, typer.Option("--prompt-suffix")] = "",
     answer: Annotated[str, typer.Option("--answer", help="last_number or full.")] = "last_number",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
+    env: Annotated[str | None, typer.Option("--env", help="Environment (default: from the task name).")] = None,
     bf16: Annotated[bool, typer.Option("--bf16/--fp32")] = True,
 ) -> None:
     """Greedy held-out accuracy of a model on a task; prints a JSON object."""
@@ -130,19 +131,20 @@ def eval_cmd(
 
     from polyrl.config import TaskConfig
     from polyrl.engines.hf import HFEngine
-    from polyrl.envs.reasoning_gym import ReasoningGymTask
+    from polyrl.envs.base import make_task
     from polyrl.models.loading import ModelNotFoundError, load_model, load_tokenizer
-    from polyrl.rollout.single_turn import evaluate
+    from polyrl.rollout.multi_turn import evaluate
 
     try:
         task_cfg = TaskConfig(
-            name=task, params=json.loads(params), prompt_suffix=prompt_suffix, answer=answer, eval_size=n
+            name=task, env=env, params=json.loads(params), prompt_suffix=prompt_suffix, answer=answer, eval_size=n
         )
-        env = ReasoningGymTask(task_cfg, seed)
-        engine = HFEngine(load_model(model), load_tokenizer(model), bf16=bf16)
+        tokenizer = load_tokenizer(model)
+        env_task = make_task(task_cfg, seed, tokenizer=tokenizer)
+        engine = HFEngine(load_model(model), tokenizer, bf16=bf16)
     except (ModelNotFoundError, ValueError, ValidationError) as exc:
         _fail(str(exc).splitlines()[0])
-    result = evaluate(engine, env, n, max_new_tokens)
+    result = evaluate(engine, env_task, n, max_new_tokens)
     typer.echo(json.dumps({"model": model, "task": task, "seed": seed, **result}))
 
 
