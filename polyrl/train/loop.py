@@ -66,7 +66,7 @@ def build_run(config: Config, run_dir: Path) -> Run:
 def _sample_round(run: Run, step: int, round_index: int, n_prompts: int, first_id: int) -> list[Trajectory]:
     """Draw ``n_prompts`` tasks, roll out and score a group each (the sampling policy is version step - 1)."""
     cfg = run.config
-    draws = run.sampler.draw(step, n_prompts)
+    draws = run.sampler.draw(step, n_prompts, round_index)
     requests = [(run.tasks[d.task], d.index, run.tasks[d.task].train_item(d.index)) for d in draws]
     # Round 0 keeps the step's seed; extra dynamic-sampling rounds need fresh samples, so fresh seeds.
     seed = cfg.train.seed * 1_000_003 + step + round_index * 1_000_000_007
@@ -184,7 +184,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
                 metrics, trajectories = rl_step(run, step)
                 train_time += metrics["step_time_s"]
                 metrics["train_time_s"] = train_time
-                metrics.update({f"ratio/{k}": v for k, v in run.sampler.realised_ratio().items()})
+                metrics.update({f"task_ratio/{k}": v for k, v in run.sampler.realised_ratio().items()})
                 logger.write(step, metrics)
                 samples.write(step, trajectories)
                 faults.point("logged", step)
