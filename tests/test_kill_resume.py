@@ -158,3 +158,16 @@ def test_sigkill_at_every_point_resumes_bit_exactly(tmp_path, reference):
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     assert all(verify_checkpoint(p) is None for p in list_checkpoints(run_dir))
     print(f"kill points resumed bit-exactly: {len(KILL_POINTS)}/{len(KILL_POINTS)}")
+
+
+def test_a_line_torn_by_a_kill_is_dropped_on_resume(tmp_path):
+    """A SIGKILL inside a large write() can leave half a JSON line; resuming must not choke on it."""
+    from polyrl.observe.metrics import open_step_log
+
+    path = tmp_path / "trajectories.jsonl"
+    whole = [json.dumps({"step": s, "text": "é" * 10}) for s in (1, 2, 3)]
+    torn = json.dumps({"step": 4, "text": "é" * 5000}).encode()[:7001]  # cut inside a 2-byte character
+    path.write_bytes(("\n".join(whole) + "\n").encode() + torn)
+    with open_step_log(path, keep_through_step=2) as f:
+        f.write(json.dumps({"step": 3}) + "\n")
+    assert path.read_text().splitlines() == [*whole[:2], json.dumps({"step": 3})]

@@ -24,11 +24,13 @@ LEVEL = isolation_level()
 needs_namespaces = pytest.mark.skipif(LEVEL != "namespaces", reason=f"no namespaces here (sandbox: {LEVEL})")
 # Without namespaces, host files are hidden only by permissions from a uid of the program's own (as root).
 needs_file_isolation = pytest.mark.skipif(LEVEL == "rlimits", reason="program would run as the caller's uid")
-# As root the process cap (RLIMIT_NPROC) holds only for a dropped uid, and processes that leave the session
-# are reached by the PID namespace or by kill(-1) as that uid.
+# Root ignores RLIMIT_NPROC: the process cap needs a dropped uid (or a caller that is not root).
 needs_unprivileged = pytest.mark.skipif(
-    LEVEL == "rlimits" and os.geteuid() == 0, reason="program would run as root (no process cap, no reaper)"
+    LEVEL == "rlimits" and os.geteuid() == 0, reason="program would run as root (no process cap)"
 )
+# Processes that leave the session (setsid, double fork) are reached by the PID namespace, or by kill(-1) as
+# the program's own uid; the plain fallback can only kill its process group.
+needs_reaper = pytest.mark.skipif(LEVEL == "rlimits", reason="no PID namespace and no uid of its own")
 REPEATS = 2  # "contained every time": each hostile program runs more than once
 
 
@@ -240,7 +242,7 @@ def test_no_connection_to_a_local_listener(attempt):
             listener.accept()
 
 
-@needs_unprivileged
+@needs_reaper
 @pytest.mark.parametrize("attempt", range(REPEATS))
 def test_spawned_and_detached_subprocesses_do_not_survive(attempt):
     marker = f"polyrl-spawn-{uuid.uuid4().hex}"

@@ -35,10 +35,14 @@ def open_step_log(path: Path, keep_through_step: int | None):
     checkpoint, so the file reads as one uninterrupted run.
     """
     if keep_through_step is not None and path.exists():
-        kept = [
-            line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= keep_through_step
-        ]
+        kept = []
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                step = json.loads(line).get("step", 0)
+            except ValueError:  # a line torn by a kill in the middle of a large write
+                continue
+            if step <= keep_through_step:
+                kept.append(line)
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, path)
