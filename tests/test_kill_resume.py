@@ -36,19 +36,19 @@ ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # Each kill point, in the order the chain hits them; "+d" kills d seconds after the point (inside the work
 # that follows it), "#2" at the second time the point is reached (the final save rewrites the last step).
 KILL_POINTS = [
-    "rollout:1+0.05",  # generating step 1, before any checkpoint exists
-    "update:1+0.02",  # inside the first optimizer update
+    "rollout:1+0.02",  # generating step 1, before any checkpoint exists
+    "update:1+0.01",  # inside the first optimizer update
     "logged:1",  # metrics of step 1 written, its checkpoint not yet
     "ckpt_files:1",  # checkpoint files in the temp dir, no manifest
     "ckpt_manifest:1",  # manifest written, temp dir not yet renamed
     "ckpt_renamed:1",  # step-1 in place
-    "rollout:2+0.05",
-    "update:2+0.02",
+    "rollout:2+0.02",
+    "update:2+0.01",
     "logged:3",
     "ckpt_files:3",
     "ckpt_manifest:4",
     "ckpt_renamed:4",  # before old checkpoints are pruned
-    "update:5+0.02",
+    "update:5+0.01",
     "ckpt_manifest:5#2",  # inside the final save, after training finished
 ]
 
