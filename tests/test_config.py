@@ -2,8 +2,8 @@
 
 import pytest
 import yaml
-
 from conftest import SMOKE
+
 from polyrl.config import ConfigError, load_config
 
 
@@ -60,3 +60,20 @@ def test_missing_tasks_and_bad_yaml(tmp_path):
 def test_override_syntax_errors_name_the_override(tmp_path):
     assert "expected key=value" in _error(tmp_path, overrides=["optim.lr"], source="override 'optim.lr'")
     assert "tasks.5" in _error(tmp_path, overrides=["tasks.5.name=x"], source="override 'tasks.5.name'")
+
+
+def test_broken_chat_template_is_one_line(tmp_path):
+    import shutil
+
+    from polyrl.models.loading import load_tokenizer, smollm2_tokenizer_dir
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(smollm2_tokenizer_dir(), model_dir)
+    (model_dir / "config.json").write_text("{}")
+    (model_dir / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }")  # unclosed tag
+    for stale in model_dir.glob("tokenizer_config.json"):
+        data = stale.read_text().replace('"chat_template"', '"_unused_chat_template"')
+        stale.write_text(data)
+    with pytest.raises(ValueError, match=r"^model '.*': its chat template does not render") as exc:
+        load_tokenizer(str(model_dir))
+    assert "\n" not in str(exc.value)

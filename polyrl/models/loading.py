@@ -133,7 +133,21 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     tok = AutoTokenizer.from_pretrained(path)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    check_chat_template(tok, name)
     return tok
+
+
+def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+    """Render a small conversation once, so a missing or broken template is one line at load, not a
+    traceback from inside the first rollout."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"model '{name}': the tokenizer has no chat template (chat_template in tokenizer_config)")
+    probe = [{"role": r, "content": r[0]} for r in ("system", "user", "assistant")]
+    try:
+        tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
+    except Exception as exc:  # noqa: BLE001 - jinja raises many types; the message is what matters
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"model '{name}': its chat template does not render: {detail}") from None
 
 
 def load_model(name: str, lora: LoraConfig | None = None, seed: int = 0) -> PreTrainedModel:

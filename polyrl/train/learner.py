@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -231,7 +232,10 @@ class Learner:
                 self.optimizer.zero_grad(set_to_none=True)
                 totals["skipped_updates"] = totals.get("skipped_updates", 0.0) + 1
             means["grad_norm"] = means.get("grad_norm", 0.0) + grad_norm / algo.epochs
-        self.scheduler.step()
+        with warnings.catch_warnings():
+            # A skipped (NaN) first update leaves the optimizer unstepped; the schedule still advances by design.
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+            self.scheduler.step()
         totals.setdefault("kl", None)  # not measured: no reference was kept (kl_coef 0, track_kl off)
         totals.setdefault("skipped_updates", 0.0)
         return {**totals, **means, "lr": self.scheduler.get_last_lr()[0]}

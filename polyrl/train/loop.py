@@ -200,7 +200,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     finally:
         logger.close()
         samples.close()
-    if ckpt is None or step > start:
+    already_saved = config.train.checkpoint_every and step % config.train.checkpoint_every == 0 and step > start
+    if (ckpt is None or step > start) and not already_saved:
         checkpoint(step)
 
     if config.eval.after:
