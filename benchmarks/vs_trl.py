@@ -226,6 +226,8 @@ def main() -> None:
 
     kinds = ["polyrl", "trl"] if args.only == "both" else [args.only]
     runs = {kind: _spawn(kind, args) for kind in kinds}
+    out = ROOT / "benchmarks" / "results"
+    previous = json.loads((out / "vs_trl.json").read_text()) if (out / "vs_trl.json").exists() else {}
     results = {
         "settings": {k: v for k, v in vars(args).items() if k != "worker"},
         "accuracy_before": evaluate_dir(None, args.eval_n),
@@ -236,13 +238,16 @@ def main() -> None:
             snap["accuracy"] = evaluate_dir(snap["path"], args.eval_n)
         reach = next((s["train_time_s"] for s in res["snapshots"] if s["accuracy"] >= BAR), None)
         results["frameworks"][kind] = {
+            "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "steps": res["steps"],
             "median_step_s": statistics.median(res["step_times"]),
             "final_accuracy": res["snapshots"][-1]["accuracy"] if res["snapshots"] else None,
             "minutes_to_bar": None if reach is None else reach / 60,
             "snapshots": [{k: s[k] for k in ("train_time_s", "step", "accuracy")} for s in res["snapshots"]],
         }
-    out = ROOT / "benchmarks" / "results"
+    if args.only != "both":  # one framework re-run: keep the other's last measurement beside it
+        for kind, res in previous.get("frameworks", {}).items():
+            results["frameworks"].setdefault(kind, res)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vs_trl.json").write_text(json.dumps(results, indent=2))
     _plot(results, out / "vs_trl.png")
