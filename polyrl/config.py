@@ -146,7 +146,10 @@ class OptimConfig(_Strict):
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = Field(1.0, gt=0)
     warmup_steps: int = Field(0, ge=0)
-    micro_batch_size: int = Field(16, gt=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate decay after warmup, reaching 0 at train.steps."""
+    micro_batch_size: int = Field(8, gt=0)
+    """Samples per forward/backward; the batch is sorted by length first, so each pads only to its own longest."""
 
 
 class EvalConfig(_Strict):

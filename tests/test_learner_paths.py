@@ -1,5 +1,6 @@
 """Fast paths of the learner give the same log-probs and gradients as the plain path."""
 
+import pytest
 import torch
 
 from polyrl.models.loading import tiny_random_model
@@ -61,3 +62,25 @@ def test_logprobs_match_a_plain_model_call():
     ref = torch.log_softmax(model(torch.tensor([ids])).logits[0, 4:7], -1)
     expected = ref.gather(-1, torch.tensor([[20], [21], [22]])).squeeze(-1)
     assert torch.allclose(logp[0, :3], expected, atol=1e-5)
+
+
+def test_lr_schedules_worked_by_hand():
+    from polyrl.train.learner import lr_factor
+
+    # warmup 2 of 10 steps: 0.5, 1.0; then linear decay over the remaining 8: step 6 is 4/8 of the way.
+    assert [lr_factor(s, 2, 10, "linear") for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
+    assert lr_factor(6, 2, 10, "cosine") == pytest.approx(0.5)
+    assert lr_factor(4, 0, 8, "cosine") == pytest.approx(0.5) and lr_factor(8, 0, 8, "cosine") == pytest.approx(0.0)
+    assert lr_factor(7, 0, 10, "constant") == 1.0
+
+
+def test_micro_batch_rows_drop_shared_padding():
+    batch = _batch()  # responses of lengths 3, 1, 2, 4, 2; prompts of 5 and 3 tokens
+    short = batch.rows(slice(1, 3))  # responses 1 and 2 long, both prompts 5 long
+    assert short.targets.shape == (2, 2) and short.input_ids.shape == (2, 7)
+    full = batch.rows(slice(0, 5))
+    assert full.targets.shape == (5, 4)
+    model = tiny_random_model(seed=5)
+    a, _ = token_logprobs(model, batch, 1.0, False)
+    b, _ = token_logprobs(model, short, 1.0, False)
+    assert torch.allclose(a[1:3, :2][short.loss_mask.bool()], b[short.loss_mask.bool()], atol=1e-5)

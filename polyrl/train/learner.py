@@ -11,6 +11,7 @@ import copy
 import math
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
@@ -37,7 +38,21 @@ class Batch:
         return self.targets.shape[1]
 
     def rows(self, idx: slice) -> Batch:
-        return Batch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+        """The rows ``idx``, with the columns that are padding in every one of them cut away."""
+        sub = Batch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
+        s = sub.input_ids.shape[1] - sub.response_len
+        used = sub.attention_mask.bool().any(dim=0)
+        left = int(used[:s].float().argmax()) if s else 0  # first prompt column any row uses
+        right = int(used[s:].nonzero().max()) + 1 if used[s:].any() else 1  # response columns in use
+        return Batch(
+            input_ids=sub.input_ids[:, left : s + right],
+            attention_mask=sub.attention_mask[:, left : s + right],
+            position_ids=sub.position_ids[:, left : s + right],
+            targets=sub.targets[:, :right],
+            loss_mask=sub.loss_mask[:, :right],
+            behaviour_logp=sub.behaviour_logp[:, :right],
+            advantages=sub.advantages,
+        )
 
 
 def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
@@ -108,6 +123,16 @@ def token_logprobs(
     return logp, entropy
 
 
+def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
+    """Multiplier of the base learning rate for update ``step`` (0-based): linear warmup, then decay to 0."""
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if kind == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / (total - warmup))
+    return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 class Learner:
     def __init__(
         self,
@@ -117,7 +142,9 @@ class Learner:
         temperature: float,
         bf16: bool,
         pad_id: int,
+        total_steps: int = 0,
     ) -> None:
+        """``total_steps`` is the run's length, over which a decaying learning-rate schedule reaches 0."""
         self.model = model
         self.algo = algo
         self.optim_cfg = optim
@@ -135,9 +162,8 @@ class Learner:
         self.optimizer = torch.optim.AdamW(
             groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
         )
-        warmup = optim.warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+            self.optimizer, partial(lr_factor, warmup=optim.warmup_steps, total=total_steps, kind=optim.schedule)
         )
         self.is_lora = hasattr(model, "disable_adapter")
         self.wants_reference = algo.kl_coef > 0 or algo.track_kl
@@ -173,6 +199,8 @@ class Learner:
         """One optimisation round (``algo.epochs`` passes over the batch, one optimizer step each)."""
         algo, micro = self.algo, self.optim_cfg.micro_batch_size
         self.model.train()
+        # Similar lengths share a micro-batch, so each pads only to its own longest response.
+        trajectories = sorted(trajectories, key=lambda t: len(t.input_ids) - t.prompt_len)
         batch = collate(trajectories, self.pad_id)
         if algo.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward misjudges its tokens
             keep = torch.tensor([not t.truncated for t in trajectories], dtype=batch.loss_mask.dtype)

@@ -57,7 +57,8 @@ def build_run(config: Config, run_dir: Path) -> Run:
     }
     engine = HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=config.engine.bf16_weights)
     learner = Learner(
-        model, config.algorithm, config.optim, config.rollout.temperature, config.model.bf16, engine.pad_id
+        model, config.algorithm, config.optim, config.rollout.temperature, config.model.bf16, engine.pad_id,
+        total_steps=config.train.steps,
     )
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=config.train.seed)
     return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler)
