@@ -210,7 +210,7 @@ def main() -> None:
     p.add_argument("--minutes", type=float, default=7.5, help="training-time budget per framework")
     p.add_argument("--points", type=int, default=5, help="snapshots per run, evenly spaced in training time")
     p.add_argument("--eval-n", type=int, default=200)
-    p.add_argument("--polyrl-lr", type=float, default=2e-5, help="polyrl's quickstart learning rate")
+    p.add_argument("--polyrl-lr", type=float, default=None, help="default: the quickstart's (and its schedule)")
     p.add_argument("--trl-lr", type=float, default=5e-6, help="the learning rate of TRL's measured bar")
     p.add_argument("--lora", action="store_true", help="LoRA r=16 on all linear layers for both")
     p.add_argument("--only", choices=["both", "polyrl", "trl"], default="both")
