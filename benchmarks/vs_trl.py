@@ -71,12 +71,9 @@ def worker_polyrl(args) -> dict:
     from polyrl.train.loop import build_run, rl_step
 
     torch.manual_seed(0)
-    overrides = [
-        f"optim.lr={args.polyrl_lr}",
-        "eval.before=false",
-        "eval.after=false",
-        "logging.progress=false",
-    ]
+    overrides = ["eval.before=false", "eval.after=false", "logging.progress=false"]
+    if args.polyrl_lr is not None:
+        overrides.append(f"optim.lr={args.polyrl_lr}")
     if args.lora:
         overrides += ["model.lora={r: 16, alpha: 32}"]
     cfg = load_config(QUICKSTART, overrides)
