@@ -34,7 +34,7 @@ ARGS = [
 # One thread per run: runs are small, the machine is shared, and reference and chain must match anyway.
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 # Each kill point, in the order the chain hits them; "+d" kills d seconds after the point (inside the work
-# that follows it), "#2" at the second time the point is reached (the final save rewrites the last step).
+# that follows it), "#N" at the N-th time the point is reached.
 KILL_POINTS = [
     "rollout:1+0.02",  # generating step 1, before any checkpoint exists
     "update:1+0.01",  # inside the first optimizer update
@@ -49,7 +49,7 @@ KILL_POINTS = [
     "ckpt_manifest:4",
     "ckpt_renamed:4",  # before old checkpoints are pruned
     "update:5+0.01",
-    "ckpt_manifest:5#2",  # inside the final save, after training finished
+    "ckpt_manifest:5",  # inside the last step's save (also the final one), after training finished
 ]
 
 SERVER = r"""
