@@ -10,7 +10,7 @@ greedy, 200 held-out items, accuracy = fraction fully correct.
     python benchmarks/vs_trl.py --minutes 7.5            # ~25 min in all on a 2-core CPU
     python benchmarks/vs_trl.py --minutes 1 --eval-n 50  # a quick look
 
-Writes benchmarks/results/vs_trl.json and vs_trl.png and prints a table.
+Writes benchmarks/results/vs_trl.json and docs/vs_trl.png and prints a table.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def main() -> None:
             results["frameworks"].setdefault(kind, res)
     out.mkdir(parents=True, exist_ok=True)
     (out / "vs_trl.json").write_text(json.dumps(results, indent=2))
-    _plot(results, out / "vs_trl.png")
+    _plot(results, ROOT / "docs" / "vs_trl.png")
 
     print(f"held-out accuracy before training: {100 * results['accuracy_before']:.1f}%")
     print(f"{'framework':<10}{'steps':>7}{'s/step':>9}{'final acc':>11}{'min to 74.5%':>14}")

@@ -123,10 +123,12 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
 
 
 def evaluate_all(run: Run) -> dict[str, float]:
+    """Greedy held-out accuracy per task, on the policy's own weights (no bf16 copy unless eval.bf16)."""
     cfg = run.config
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    engine = run.engine if cfg.eval.bf16 else HFEngine(run.model, run.tokenizer, bf16=False)
     return {
-        name: evaluate(run.engine, task, task.config.eval_size, max_new, cfg.eval.batch_size)["accuracy"]
+        name: evaluate(engine, task, task.config.eval_size, max_new, cfg.eval.batch_size)["accuracy"]
         for name, task in run.tasks.items()
     }
 
