@@ -208,18 +208,18 @@ class Learner:
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         chunks = [slice(i, i + micro) for i in range(0, len(trajectories), micro)]
         num_tokens = float(batch.loss_mask.sum().clamp(min=1))
-        ref = [self._reference_logprobs(batch.rows(c)) for c in chunks] if self.wants_reference else None
+        micro_batches = [batch.rows(c) for c in chunks]  # trimmed once, reused by every pass below
+        ref = [self._reference_logprobs(mb) for mb in micro_batches] if self.wants_reference else None
         old = None
         if algo.epochs > 1:  # several passes need the pre-update log-probs (and values) fixed up front
             with torch.no_grad():
-                old = [self._forward(batch.rows(c))[::2] for c in chunks]
+                old = [self._forward(mb)[::2] for mb in micro_batches]
         loss_fn = LOSSES[algo.loss]
         totals: dict[str, float] = {}  # summed over micro-batches (they add up to the batch loss)
         means: dict[str, float] = {}  # averaged over micro-batches (extremes for */max and */min)
         for _ in range(algo.epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            for k, c in enumerate(chunks):
-                mb = batch.rows(c)
+            for k, (c, mb) in enumerate(zip(chunks, micro_batches, strict=True)):
                 # token-mean shares the global token count; the seq-mean modes weight by sequences.
                 share = 1.0 if algo.loss_agg == "token-mean" else mb.targets.shape[0] / len(trajectories)
                 logp, entropy, values = self._forward(mb, entropy_grad=algo.entropy_coef != 0)
