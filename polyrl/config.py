@@ -68,6 +68,9 @@ class TaskConfig(_Strict):
     answer: Literal["last_number", "full"] = "last_number"
     """How the answer is read from a reply: the last number in it, or the whole stripped reply."""
     eval_size: int = Field(200, gt=0)
+    teacher: str | None = None
+    """On-policy distillation teacher for this task: an alias or HF model directory (a checkpoint works),
+    used when algorithm.distill_coef > 0. In a pipeline, stages[].teachers can name ``best`` instead."""
 
 
 class RolloutConfig(_Strict):
@@ -130,6 +133,11 @@ class AlgorithmConfig(_Strict):
     """Scale of the overlong penalty (it ramps from 0 to -overlong_penalty)."""
     mask_truncated: bool = False
     """Leave samples cut off at max_new_tokens out of the loss (DAPO overlong filtering)."""
+    pg_coef: float = Field(1.0, ge=0)
+    """Weight of the policy-gradient loss; distill stages set it to 0 (pure on-policy distillation)."""
+    distill_coef: float = Field(0.0, ge=0)
+    """Weight of the per-token reverse KL to each task's teacher (tasks[].teacher, docs/multidomain.md);
+    0 is off."""
 
     @model_validator(mode="after")
     def _check_algorithm(self) -> AlgorithmConfig:
@@ -213,6 +221,40 @@ class LoggingConfig(_Strict):
         return self
 
 
+class StageConfig(_Strict):
+    """One stage of a pipeline (docs/multidomain.md): unset fields inherit the top-level config."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """Names the stage's directory, RUN_DIR/stages/<i>-<name>."""
+    kind: Literal["sft", "rl", "distill"] = "rl"
+    """sft: supervised on gold answers; rl: the RL loop; distill: on-policy distillation from teachers."""
+    tasks: list[str] = []
+    """Names from the top-level ``tasks`` this stage trains on; empty is all of them."""
+    steps: int = Field(ge=0)
+    lr: float | None = Field(None, gt=0)
+    """Overrides optim.lr."""
+    max_new_tokens: int | None = Field(None, gt=0)
+    """Overrides rollout.max_new_tokens."""
+    algorithm: dict[str, Any] = {}
+    """Overrides of ``algorithm`` keys for this stage, e.g. ``{advantage: rloo, kl_coef: 0.01}``."""
+    teachers: dict[str, str] = {}
+    """Task name -> teacher: ``best`` (the registry's best checkpoint for that task so far) or a model. A
+    distill stage defaults every task without a tasks[].teacher to ``best``."""
+
+
+class PipelineConfig(_Strict):
+    """What happens after each stage of ``stages``: held-out eval of every task, registry, regressions."""
+
+    regression_threshold: float = Field(0.02, ge=0)
+    """A task whose held-out accuracy falls more than this (a fraction: 0.02 is 2 points) below its best
+    earlier stage is reported as regressed."""
+    on_regression: Literal["report", "distill"] = "report"
+    """distill: insert a distill stage after the regressing one, teaching each regressed task from its best
+    checkpoint in the registry."""
+    regression_steps: int = Field(20, gt=0)
+    """Steps of an inserted distill stage."""
+
+
 class Config(_Strict):
     name: str = "run"
     model: ModelConfig = ModelConfig()
@@ -224,6 +266,31 @@ class Config(_Strict):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
+    stages: list[StageConfig] = []
+    """An ordered pipeline (sft / rl / distill stages); empty is one RL run of ``train.steps``."""
+    pipeline: PipelineConfig = PipelineConfig()
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> Config:
+        names = [t.name for t in self.tasks]
+        for i, stage in enumerate(self.stages):
+            if stage.name in [s.name for s in self.stages[:i]]:
+                raise ValueError(f"stages.{i}.name: stage '{stage.name}' is listed twice; names must differ")
+            for key, picked in (("tasks", stage.tasks), ("teachers", list(stage.teachers))):
+                unknown = [n for n in picked if n not in names]
+                if unknown:
+                    raise ValueError(f"stages.{i}.{key}: unknown task '{unknown[0]}'; tasks: {', '.join(names)}")
+            try:
+                AlgorithmConfig.model_validate({**self.algorithm.model_dump(), **stage.algorithm})
+            except ValidationError as err:
+                first = err.errors()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+                msg = msg.removeprefix("Value error, ")
+                raise ValueError(f"stages.{i}.algorithm{'.' + where if where else ''}: {msg}") from None
+        if not self.stages and self.algorithm.distill_coef > 0 and not any(t.teacher for t in self.tasks):
+            raise ValueError("algorithm.distill_coef: > 0 but no tasks[].teacher is set")
+        return self
 
     @model_validator(mode="after")
     def _check_names(self) -> Config:

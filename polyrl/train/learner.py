@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from polyrl.algorithms import LOSSES, aggregate, kl_estimate, kl_penalty_to_go
+from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.config import AlgorithmConfig, OptimConfig
 from polyrl.models.forward import decoder_forward, head_logits
@@ -115,7 +116,19 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of the response tokens under logits / temperature (the sampling distribution), and the
     per-token entropy of that distribution (differentiable only when ``entropy_grad``)."""
-    logits = head_logits(model, response_hidden(model, batch, bf16, share_prefix)) / temperature
+    return logprobs_from_logits(response_logits(model, batch, temperature, bf16, share_prefix), batch, entropy_grad)
+
+
+def response_logits(
+    model: PreTrainedModel, batch: Batch, temperature: float, bf16: bool, share_prefix: bool = True
+) -> torch.Tensor:
+    """Float32 logits / temperature at the positions that predict each response token, [B, R, V]."""
+    return head_logits(model, response_hidden(model, batch, bf16, share_prefix)) / temperature
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, batch: Batch, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     log_z = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, batch.targets[..., None]).squeeze(-1) - log_z
     with contextlib.nullcontext() if entropy_grad else torch.no_grad():
@@ -143,9 +156,12 @@ class Learner:
         bf16: bool,
         pad_id: int,
         total_steps: int = 0,
+        teachers: dict[str, PreTrainedModel] | None = None,
     ) -> None:
-        """``total_steps`` is the run's length, over which a decaying learning-rate schedule reaches 0."""
+        """``total_steps`` is the run's length, over which a decaying learning-rate schedule reaches 0;
+        ``teachers`` maps a task name to its frozen distillation teacher (``algo.distill_coef`` weighs it)."""
         self.model = model
+        self.teachers = teachers or {}
         self.algo = algo
         self.optim_cfg = optim
         self.temperature = temperature
@@ -213,16 +229,18 @@ class Learner:
         old = None
         if algo.epochs > 1:  # several passes need the pre-update log-probs (and values) fixed up front
             with torch.no_grad():
-                old = [self._forward(mb)[::2] for mb in micro_batches]
+                old = [(f[0], f[2]) for f in map(self._forward, micro_batches)]
         loss_fn = LOSSES[algo.loss]
         totals: dict[str, float] = {}  # summed over micro-batches (they add up to the batch loss)
         means: dict[str, float] = {}  # averaged over micro-batches (extremes for */max and */min)
+        # Each row's task, so a micro-batch finds its rows' teachers (rows keep the sorted order).
+        row_tasks = [t.task for t in trajectories]
         for _ in range(algo.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for k, (c, mb) in enumerate(zip(chunks, micro_batches, strict=True)):
                 # token-mean shares the global token count; the seq-mean modes weight by sequences.
                 share = 1.0 if algo.loss_agg == "token-mean" else mb.targets.shape[0] / len(trajectories)
-                logp, entropy, values = self._forward(mb, entropy_grad=algo.entropy_coef != 0)
+                logp, entropy, values, logits = self._forward(mb, entropy_grad=algo.entropy_coef != 0)
                 old_logp, old_values = old[k] if old is not None else (logp.detach(), _detach(values))
                 ref_logp = ref[k] if ref is not None else None
                 advantages, returns = self._advantages(mb, rewards[c], old_logp, ref_logp, old_values)
@@ -231,8 +249,13 @@ class Learner:
                     clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=num_tokens, **algo.loss_kwargs,
                 )
                 ent = aggregate(entropy, mb.loss_mask, algo.loss_agg, num_tokens) * share
-                loss = pg_loss * share - algo.entropy_coef * ent
+                loss = algo.pg_coef * pg_loss * share - algo.entropy_coef * ent
                 parts = {"loss/pg": float(pg_loss.detach()) * share, "entropy": float(ent.detach())}
+                if self.teachers and algo.distill_coef > 0:
+                    d_loss, dm = self._distill(mb, logits, row_tasks[c], num_tokens)
+                    loss = loss + algo.distill_coef * d_loss * share
+                    parts["loss/distill"] = float(d_loss.detach()) * share
+                    m = {**m, **dm}
                 if ref_logp is not None:
                     kl_tok = kl_estimate(logp, ref_logp, algo.kl_estimator)
                     kl = aggregate(kl_tok, mb.loss_mask, algo.loss_agg, num_tokens)
@@ -293,20 +316,41 @@ class Learner:
 
     def _forward(
         self, batch: Batch, entropy_grad: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Policy log-probs and entropy, and the value of each response position when there is a critic."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Policy log-probs, entropy, the value of each response position when there is a critic, and the
+        logits (distillation compares whole distributions; autograd keeps them anyway)."""
         if self.value_head is None:
-            return (*self._logprobs(batch, entropy_grad), None)
+            logits = response_logits(self.model, batch, self.temperature, self.bf16)
+            return (*logprobs_from_logits(logits, batch, entropy_grad), None, logits)
         # The head's input is captured with a hook, so the critic needs no forward pass of its own.
         captured: list[torch.Tensor] = []
         head = self.model.get_output_embeddings()
         handle = head.register_forward_hook(lambda _mod, args, _out: captured.append(args[0]))
         try:
-            logp, entropy = self._logprobs(batch, entropy_grad)
+            logits = response_logits(self.model, batch, self.temperature, self.bf16)
         finally:
             handle.remove()
         hidden = captured[-1][:, : batch.response_len].detach().float()
-        return logp, entropy, self.value_head(hidden)
+        return (*logprobs_from_logits(logits, batch, entropy_grad), self.value_head(hidden), logits)
+
+    def _distill(
+        self, mb: Batch, logits: torch.Tensor, tasks: list[str], num_tokens: float
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Reverse KL to each row's task teacher (multi-teacher on-policy distillation); rows of tasks without
+        a teacher are masked out. The teacher sees the same tokens under the same temperature."""
+        teacher_logits = torch.zeros_like(logits, requires_grad=False)
+        has_teacher = torch.zeros(len(tasks), dtype=mb.loss_mask.dtype)
+        with torch.no_grad():
+            for teacher in {id(m): m for m in self.teachers.values()}.values():
+                rows = [i for i, t in enumerate(tasks) if self.teachers.get(t) is teacher]
+                if not rows:
+                    continue
+                idx = torch.tensor(rows)
+                sub = Batch(*(getattr(mb, f)[idx] for f in mb.__dataclass_fields__))
+                teacher_logits[idx] = response_logits(teacher, sub, self.temperature, self.bf16)
+                has_teacher[idx] = 1.0
+        return reverse_kl_loss(logits, teacher_logits, mb.loss_mask * has_teacher[:, None], self.algo.loss_agg,
+                               num_tokens)
 
     def _logprobs(self, batch: Batch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return token_logprobs(self.model, batch, self.temperature, self.bf16, entropy_grad)

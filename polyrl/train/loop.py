@@ -27,6 +27,7 @@ from polyrl.rollout.multi_turn import evaluate, rollout, rollout_metrics
 from polyrl.train import faults
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.train.learner import Learner
+from polyrl.train.teachers import load_teachers
 from polyrl.types import Trajectory
 
 
@@ -58,7 +59,7 @@ def build_run(config: Config, run_dir: Path) -> Run:
     engine = HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=config.engine.bf16_weights)
     learner = Learner(
         model, config.algorithm, config.optim, config.rollout.temperature, config.model.bf16, engine.pad_id,
-        total_steps=config.train.steps,
+        total_steps=config.train.steps, teachers=load_teachers(config, model),
     )
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=config.train.seed)
     return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler)
