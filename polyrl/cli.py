@@ -59,6 +59,16 @@ def train(
 
     from polyrl.observe.metrics import SinkError
 
+    if cfg.stages:  # a pipeline: every stage is a run under RUN_DIR/stages/
+        from polyrl.train.pipeline import run_pipeline
+
+        try:
+            run_pipeline(cfg, run_dir, resume=resume, log=log)
+        except (ModelNotFoundError, ValueError, NonFiniteError, SinkError) as exc:
+            _fail(str(exc))
+        typer.echo((run_dir / "stages.md").read_text())
+        typer.echo(f"stages: {run_dir / 'stages.json'}  registry: {run_dir / 'registry.json'}")
+        return
     try:
         summary = run_training(cfg, run_dir, resume=resume, log=log)
     except (ModelNotFoundError, ValueError, NonFiniteError, SinkError) as exc:

@@ -1,0 +1,183 @@
+"""Multi-stage pipelines (Cascade RL, Wang et al. 2025, "Nemotron-Cascade"): sft / rl / distill stages in order.
+
+Each stage is an ordinary run in RUN_DIR/stages/<i>-<name>/ (the RL loop, or ``sft.train_sft``), starting from
+the previous stage's final checkpoint. After every stage all tasks of the pipeline are evaluated held-out; the
+domain x stage table goes to RUN_DIR/stages.md and stages.json, the best checkpoint per task to
+RUN_DIR/registry.json. A task that falls more than ``pipeline.regression_threshold`` below its best is
+reported, and with ``pipeline.on_regression: distill`` a distill stage is inserted that teaches it from its best
+checkpoint (multi-teacher on-policy distillation, ``algorithms/distill.py``).
+
+stages.json is also the pipeline's state: the plan (with inserted stages) and the finished stages' results, so
+``--resume`` skips finished stages and resumes the interrupted one from its own checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from polyrl.config import Config, ConfigError, StageConfig, load_config
+from polyrl.engines.hf import HFEngine
+from polyrl.envs.base import make_task
+from polyrl.models.loading import load_model, load_tokenizer
+from polyrl.rollout.multi_turn import evaluate
+from polyrl.train.checkpoint import latest_checkpoint
+from polyrl.train.loop import train
+from polyrl.train.sft import train_sft
+
+STATE = "stages.json"
+
+
+def evaluate_domains(config: Config, model_name: str) -> dict[str, float]:
+    """Greedy held-out accuracy of ``model_name`` on every task of ``config`` (the same items every time)."""
+    tokenizer = load_tokenizer(model_name)
+    model = load_model(model_name, None, seed=config.train.seed).eval()
+    if config.eval.bf16:
+        engine = HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=True)
+    else:  # as the RL loop: accuracy of the float32 weights themselves
+        engine = HFEngine(model, tokenizer, bf16=False)
+    max_new = config.eval.max_new_tokens or config.rollout.max_new_tokens
+    out = {}
+    for t in config.tasks:
+        task = make_task(t, config.train.seed, config.model.system_prompt, tokenizer)
+        out[t.name] = evaluate(engine, task, t.eval_size, max_new, config.eval.batch_size)["accuracy"]
+    return out
+
+
+def registry(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Best row per task: {task: {stage, checkpoint, accuracy}}; the earliest stage wins a tie."""
+    best: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for task, acc in row["eval"].items():
+            if task not in best or acc > best[task]["accuracy"]:
+                best[task] = {"stage": row["label"], "checkpoint": row["checkpoint"], "accuracy": acc}
+    return best
+
+
+def find_regressions(
+    earlier: list[dict[str, Any]], current: dict[str, float], threshold: float
+) -> dict[str, dict[str, Any]]:
+    """Tasks whose accuracy now is more than ``threshold`` below their best in ``earlier`` rows."""
+    best = registry(earlier)
+    return {
+        task: {"best": best[task]["accuracy"], "best_stage": best[task]["stage"], "now": acc}
+        for task, acc in current.items()
+        if task in best and best[task]["accuracy"] - acc > threshold
+    }
+
+
+def stage_config(base: Config, stage: StageConfig, label: str, model: str, best: dict[str, dict]) -> Config:
+    """The plain single-run config of one stage: its tasks, overrides and teachers, starting from ``model``."""
+    data = base.model_dump(mode="json", exclude={"stages", "pipeline"})
+    data["name"] = f"{base.name}-{label}"
+    data["model"]["name"] = model
+    data["tasks"] = [t for t in data["tasks"] if not stage.tasks or t["name"] in stage.tasks]
+    for t in data["tasks"]:
+        spec = stage.teachers.get(t["name"]) or t["teacher"] or ("best" if stage.kind == "distill" else None)
+        if spec == "best":
+            if t["name"] not in best:
+                raise ConfigError(f"stage {label}: no registry entry for task '{t['name']}' to teach it")
+            spec = best[t["name"]]["checkpoint"]
+        t["teacher"] = spec
+    if stage.kind == "distill":  # pure on-policy distillation unless the stage's algorithm says otherwise
+        data["algorithm"].update(pg_coef=0.0, distill_coef=1.0)
+    data["algorithm"].update(stage.algorithm)
+    if stage.lr is not None:
+        data["optim"]["lr"] = stage.lr
+    if stage.max_new_tokens is not None:
+        data["rollout"]["max_new_tokens"] = stage.max_new_tokens
+        data["algorithm"]["overlong_buffer"] = min(data["algorithm"]["overlong_buffer"], stage.max_new_tokens)
+    data["train"]["steps"] = stage.steps
+    data["eval"]["before"] = data["eval"]["after"] = False  # the pipeline evaluates every task itself
+    return load_config(f"stage {label}", data=data)
+
+
+def table_markdown(state: dict[str, Any], threshold: float) -> str:
+    """The task x stage table (held-out accuracy, %), regressions marked, and each task's best."""
+    rows, tasks = state["rows"], state["tasks"]
+    best = registry(rows)
+    head = "| task | " + " | ".join(r["label"] for r in rows) + " | best | final - best |"
+    lines = [head, "|" + " --- |" * (len(rows) + 3)]
+    for task in tasks:
+        cells = []
+        for r in rows:
+            mark = " ↓" if task in r.get("regressions", {}) else ""
+            cells.append(f"{r['eval'][task] * 100:.1f}{mark}")
+        gap = (rows[-1]["eval"][task] - best[task]["accuracy"]) * 100
+        lines.append(f"| {task} | " + " | ".join(cells) + f" | {best[task]['accuracy'] * 100:.1f} "
+                     f"({best[task]['stage']}) | {gap:+.1f} |")
+    lines.append("")
+    lines.append(f"↓: more than {threshold * 100:.1f} points below the task's best earlier stage.")
+    return "\n".join(lines) + "\n"
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _save(run_dir: Path, state: dict[str, Any], threshold: float) -> None:
+    best = registry(state["rows"])
+    final = state["rows"][-1]["eval"]
+    state["final_gap"] = {t: final[t] - best[t]["accuracy"] for t in state["tasks"]}
+    _write(run_dir / STATE, json.dumps(state, indent=2))
+    _write(run_dir / "registry.json", json.dumps(best, indent=2))
+    _write(run_dir / "stages.md", table_markdown(state, threshold))
+
+
+def _label(index: int, entry: dict[str, Any]) -> str:
+    return f"{index + 1}-{entry['stage']['name']}"
+
+
+def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print) -> dict[str, Any]:
+    """Run ``config.stages`` in order into ``run_dir`` (or resume it); returns the state written to stages.json."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    state_path = run_dir / STATE
+    threshold = config.pipeline.regression_threshold
+    if state_path.exists() and not resume:
+        raise ValueError(f"{run_dir}: already holds a pipeline ({STATE}); pass --resume or another --output")
+    if resume and state_path.exists():
+        state = json.loads(state_path.read_text())
+        log(f"resuming pipeline: {len(state['rows']) - 1} of {len(state['plan'])} stages done")
+    else:
+        state = {"tasks": [t.name for t in config.tasks], "rows": [],
+                 "plan": [{"stage": s.model_dump(mode="json"), "inserted_after": None} for s in config.stages]}
+    if not state["rows"]:  # the starting point is the first column of the table
+        base_eval = evaluate_domains(config, config.model.name)
+        state["rows"].append({"label": "base", "kind": "base", "checkpoint": config.model.name, "eval": base_eval})
+        log(f"base: {json.dumps(base_eval)}")
+        _save(run_dir, state, threshold)
+    index = len(state["rows"]) - 1  # plan entries already done
+    while index < len(state["plan"]):
+        entry = state["plan"][index]
+        stage, label = StageConfig.model_validate(entry["stage"]), _label(index, entry)
+        stage_dir = run_dir / "stages" / label
+        cfg = stage_config(config, stage, label, state["rows"][-1]["checkpoint"], registry(state["rows"]))
+        log(f"stage {label} ({stage.kind}, {stage.steps} steps, tasks: {', '.join(t.name for t in cfg.tasks)})")
+        run_stage = train_sft if stage.kind == "sft" else train
+        summary = run_stage(cfg, stage_dir, resume=resume and stage_dir.exists(), log=log)
+        ckpt = latest_checkpoint(stage_dir)
+        if ckpt is None:
+            raise RuntimeError(f"stage {label}: finished without a checkpoint in {stage_dir}")
+        result = evaluate_domains(config, str(ckpt))
+        regressions = find_regressions(state["rows"], result, threshold)
+        state["rows"].append({
+            "label": label, "kind": stage.kind, "checkpoint": str(ckpt), "eval": result,
+            "regressions": regressions, "steps": summary.get("steps"), "train_time_s": summary.get("train_time_s"),
+        })
+        log(f"{label}: {json.dumps(result)}")
+        for task, r in regressions.items():
+            log(f"regression: {task} {r['now'] * 100:.1f}% after {label}, best {r['best'] * 100:.1f}% "
+                f"({r['best_stage']})")
+        if regressions and config.pipeline.on_regression == "distill" and entry["inserted_after"] is None:
+            fix = StageConfig(name="recover", kind="distill", tasks=sorted(regressions),
+                              steps=config.pipeline.regression_steps)
+            state["plan"].insert(index + 1, {"stage": fix.model_dump(mode="json"), "inserted_after": label})
+            log(f"inserted stage {_label(index + 1, state['plan'][index + 1])}: distill {', '.join(fix.tasks)} "
+                "from their best checkpoints")
+        _save(run_dir, state, threshold)
+        index += 1
+    return state

@@ -1,0 +1,145 @@
+"""Supervised fine-tuning on gold answers: the ``sft`` stage of a pipeline.
+
+Each item's prompt is rendered exactly as a rollout renders it (the env's opening messages, the model's chat
+template, the generation prompt); the gold answer follows as the assistant's turn, up to and including the
+model's stop token. The loss is the mean negative log-likelihood of those assistant tokens only. Steps,
+checkpoints and resume work as in the RL loop (same checkpoint layout, same sampler), so a pipeline treats
+both alike.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from polyrl.config import Config, dump_config
+from polyrl.data.sampler import TaskSampler
+from polyrl.envs.base import Task, make_task
+from polyrl.models.loading import load_model, load_tokenizer
+from polyrl.observe.metrics import open_metrics_logger
+from polyrl.rollout.render import ChatRenderer
+from polyrl.train import faults
+from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
+from polyrl.train.learner import collate, lr_factor, token_logprobs
+from polyrl.types import Trajectory
+
+
+def sft_example(task: Task, index: int, item: dict[str, Any], tokenizer) -> Trajectory:
+    """The item as a trajectory whose model tokens are the gold answer: loss_mask 1 on the assistant turn."""
+    answer = item.get("answer")
+    if answer is None:
+        raise ValueError(f"task '{task.name}': item {index} has no gold 'answer', so an sft stage cannot use it")
+    env = task.make_env()
+    renderer = ChatRenderer(tokenizer, env.tools, env.tool_parser)
+    messages = list(env.reset(item))
+    prompt_text, prompt_ids = renderer.prompt(messages)
+    full = renderer.text([*messages, {"role": "assistant", "content": str(answer)}], add_generation_prompt=False)
+    if not full.startswith(prompt_text):
+        raise ValueError(f"task '{task.name}': the chat template rewrites the prompt when a reply is added")
+    # Tokenised apart from the prompt, as at rollout time; cut after the stop token (what the model emits).
+    reply_ids = renderer.encode(full[len(prompt_text):])
+    if tokenizer.eos_token_id in reply_ids:
+        reply_ids = reply_ids[: reply_ids.index(tokenizer.eos_token_id) + 1]
+    ids = prompt_ids + reply_ids
+    return Trajectory(
+        task=task.name, item_id=index, group_id=index, input_ids=ids,
+        loss_mask=[0] * len(prompt_ids) + [1] * len(reply_ids), logprobs=[0.0] * len(ids),
+        versions=[-1] * len(ids), turn_spans=[(len(prompt_ids), len(ids))], text=str(answer),
+        rewards={}, reward=0.0,
+    )
+
+
+def sft_loss(model, batch, bf16: bool, num_tokens: float) -> torch.Tensor:
+    """Summed negative log-likelihood of the masked (assistant) tokens over ``num_tokens``."""
+    logp, _ = token_logprobs(model, batch, 1.0, bf16)
+    return -(logp * batch.loss_mask).sum() / num_tokens
+
+
+def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) -> dict[str, Any]:
+    """``train.steps`` optimizer steps of ``rollout.prompts_per_step x rollout.group_size`` gold examples each
+    (as many sequences as an RL step); writes metrics.jsonl, checkpoints and summary.json like ``train``."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(config))
+    torch.manual_seed(config.train.seed)
+    tokenizer = load_tokenizer(config.model.name)
+    model = load_model(config.model.name, config.model.lora, seed=config.train.seed)
+    seed, system_prompt = config.train.seed, config.model.system_prompt
+    tasks = {t.name: make_task(t, seed, system_prompt, tokenizer) for t in config.tasks}
+    sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = config.optim
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, partial(lr_factor, warmup=o.warmup_steps, total=config.train.steps, kind=o.schedule)
+    )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    start, train_time = 0, 0.0
+    ckpt = None
+    if resume:
+        remove_partial_saves(run_dir)
+        ckpt = latest_checkpoint(run_dir)
+    if ckpt is not None:
+        opt_state, state = load_checkpoint(ckpt, model)
+        optimizer.load_state_dict(opt_state["optimizer"])
+        scheduler.load_state_dict(opt_state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        start, train_time = state["step"], state["train_time_s"]
+        log(f"resumed from {ckpt} (step {start})")
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(
+            run_dir, step, model, tokenizer,
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+            {"sampler": sampler.state_dict(), "train_time_s": train_time}, keep=config.train.keep_checkpoints,
+        )
+
+    n = config.rollout.prompts_per_step * config.rollout.group_size
+    logger = open_metrics_logger(config, run_dir, start if ckpt is not None else None)
+    step, last_loss = start, float("nan")
+    try:
+        while step < config.train.steps:
+            step += 1
+            t0 = time.perf_counter()
+            faults.point("sft", step)
+            draws = sampler.draw(step, n)
+            examples = [sft_example(tasks[d.task], d.index, tasks[d.task].train_item(d.index), tokenizer)
+                        for d in draws]
+            examples.sort(key=lambda t: len(t.input_ids) - t.prompt_len)
+            batch = collate(examples, pad_id)
+            num_tokens = float(batch.loss_mask.sum().clamp(min=1))
+            model.train()
+            optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            for i in range(0, n, o.micro_batch_size):
+                loss = sft_loss(model, batch.rows(slice(i, i + o.micro_batch_size)), config.model.bf16, num_tokens)
+                loss.backward()
+                total += float(loss.detach())
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip))
+            if math.isfinite(grad_norm):  # a NaN/inf gradient must not reach the weights
+                optimizer.step()
+            scheduler.step()
+            step_time = time.perf_counter() - t0
+            train_time += step_time
+            last_loss = total
+            logger.write(step, {
+                "loss": total, "loss/sft": total, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
+                "sft_tokens": num_tokens, "step_time_s": step_time, "train_time_s": train_time,
+                **{f"task_ratio/{k}": v for k, v in sampler.realised_ratio().items()},
+            })
+            faults.point("logged", step)
+            if config.train.checkpoint_every and step % config.train.checkpoint_every == 0:
+                checkpoint(step)
+    finally:
+        logger.close()
+    if latest_checkpoint(run_dir) is None or not (run_dir / "checkpoints" / f"step-{step}").is_dir():
+        checkpoint(step)
+    summary = {"kind": "sft", "steps": step, "train_time_s": train_time, "final_loss": last_loss}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
