@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
@@ -15,7 +16,7 @@ import torch
 
 from polyrl.algorithms.shaping import assign_advantages, shape_rewards
 from polyrl.config import Config, dump_config
-from polyrl.data.dynamic_sampling import dynamic_sample
+from polyrl.data.dynamic_sampling import Sampled, dynamic_sample
 from polyrl.data.sampler import TaskSampler
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import Task, make_task
@@ -65,62 +66,104 @@ def build_run(config: Config, run_dir: Path) -> Run:
     return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler)
 
 
-def _sample_round(run: Run, step: int, round_index: int, n_prompts: int, first_id: int) -> list[Trajectory]:
-    """Draw ``n_prompts`` tasks, roll out and score a group each (the sampling policy is version step - 1)."""
-    cfg = run.config
-    draws = run.sampler.draw(step, n_prompts, round_index)
-    requests = [(run.tasks[d.task], d.index, run.tasks[d.task].train_item(d.index)) for d in draws]
-    # Round 0 keeps the step's seed; extra dynamic-sampling rounds need fresh samples, so fresh seeds.
-    seed = cfg.train.seed * 1_000_003 + step + round_index * 1_000_000_007
-    return rollout(
-        run.engine, requests, cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.rollout.temperature,
-        cfg.rollout.top_p, seed=seed, version=step - 1, first_group_id=first_id,
-    )
+RolloutFn = Callable[[list[tuple[Task, int, dict[str, Any]]], int, int, int], list[Trajectory]]
+"""``rollout_fn(requests, seed, version, first_group_id)`` rolls out and scores one group per request."""
 
 
-def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
-    """One synchronous RL step; returns the step's metrics and the scored trajectories it trained on."""
+@dataclass
+class ScoredBatch:
+    """The producing half's output: one step's scored trajectories, advantages assigned, ready to learn from."""
+
+    step: int
+    groups: Sampled
+    shaping: dict[str, float]
+    rollout_time_s: float
+
+    @property
+    def kept(self) -> list[Trajectory]:
+        """The trajectories to train on."""
+        return self.groups.kept
+
+    @property
+    def sampled(self) -> list[Trajectory]:
+        """Everything rolled out for the step (reward and length metrics are over these)."""
+        return self.groups.sampled
+
+
+def local_rollout(run: Run) -> RolloutFn:
+    """Roll out on this process's engine."""
+    r = run.config.rollout
+
+    def rollout_fn(requests, seed: int, version: int, first_id: int) -> list[Trajectory]:
+        return rollout(run.engine, requests, r.group_size, r.max_new_tokens, r.temperature, r.top_p,
+                       seed=seed, version=version, first_group_id=first_id)
+
+    return rollout_fn
+
+
+def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: RolloutFn | None = None) -> ScoredBatch:
+    """Steps 1-4: sample tasks, roll out, score, advantages. ``version`` is the sampling policy's (default
+    step - 1, the synchronous case); ``rollout_fn`` says where rollouts run (default: ``run.engine``)."""
     cfg, algo, t0 = run.config, run.config.algorithm, time.perf_counter()
-    faults.point("rollout", step)
-    # 1. sample tasks, 2. roll out and 3. score; DAPO dynamic sampling swaps zero-variance groups for new ones
-    batch = dynamic_sample(
-        lambda k, n, first_id: _sample_round(run, step, k, n, first_id),
-        cfg.rollout.prompts_per_step, algo.dynamic_sampling, algo.max_extra_rounds,
-    )
-    sampled, trajectories = batch.sampled, batch.kept
+    version = step - 1 if version is None else version
+    rollout_fn = rollout_fn or local_rollout(run)
+
+    def sample_round(round_index: int, n_prompts: int, first_id: int) -> list[Trajectory]:
+        draws = run.sampler.draw(step, n_prompts, round_index)
+        requests = [(run.tasks[d.task], d.index, run.tasks[d.task].train_item(d.index)) for d in draws]
+        # Round 0 keeps the step's seed; extra dynamic-sampling rounds need fresh samples, so fresh seeds.
+        seed = cfg.train.seed * 1_000_003 + step + round_index * 1_000_000_007
+        return rollout_fn(requests, seed, version, first_id)
+
+    # DAPO dynamic sampling swaps zero-variance groups for new ones
+    groups = dynamic_sample(sample_round, cfg.rollout.prompts_per_step, algo.dynamic_sampling, algo.max_extra_rounds)
     t_rollout = time.perf_counter() - t0
-    # 4. reward shaping and advantages
-    shaping = shape_rewards(sampled, algo, cfg.rollout.max_new_tokens)
-    assign_advantages(trajectories, algo)
-    # 5. loss and 6. update
+    shaping = shape_rewards(groups.sampled, algo, cfg.rollout.max_new_tokens)
+    assign_advantages(groups.kept, algo)
+    return ScoredBatch(step, groups, shaping, t_rollout)
+
+
+def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
+    """Steps 5-7: loss and update, then sync the engine's weights; returns the update's metrics and its time."""
     t1 = time.perf_counter()
-    faults.point("update", step)
-    update = run.learner.update(trajectories)
-    # 7. sync weights into the engine
+    faults.point("update", batch.step)
+    update = run.learner.update(batch.kept)
     run.engine.sync()
-    t_update = time.perf_counter() - t1
-    # 8. log (reward and length over everything sampled: the policy's performance, not the filtered batch)
-    step_time = time.perf_counter() - t0
-    generated = sum(t.num_model_tokens for t in sampled)
-    metrics: dict[str, Any] = {
+    return update, time.perf_counter() - t1
+
+
+def step_metrics(batch: ScoredBatch, update: dict[str, float], update_time_s: float, step_time_s: float) -> dict:
+    """Step 8's record. Reward and length are over everything sampled (the policy's performance, not the
+    filtered batch)."""
+    sampled, generated = batch.sampled, sum(t.num_model_tokens for t in batch.sampled)
+    return {
         "reward/mean": mean(t.reward for t in sampled),
         **{f"reward/{name}": mean(t.reward for t in sampled if t.task == name)
            for name in sorted({t.task for t in sampled})},
-        **shaping,
+        **batch.shaping,
         "response_length/mean": generated / len(sampled),
         "truncated_frac": mean(float(t.truncated) for t in sampled),
         **rollout_metrics(sampled),
-        "zero_variance_groups": batch.zero_variance_groups,
-        **batch.metrics(),
+        "zero_variance_groups": batch.groups.zero_variance_groups,
+        **batch.groups.metrics(),
         **update,
-        "tokens_per_s": generated / step_time,
-        "rollout/tokens_per_s": generated / t_rollout,
-        "train/tokens_per_s": sum(len(t.input_ids) for t in trajectories) / t_update,
-        "rollout_time_s": t_rollout,
-        "update_time_s": t_update,
-        "step_time_s": step_time,
+        "tokens_per_s": generated / step_time_s,
+        "rollout/tokens_per_s": generated / batch.rollout_time_s,
+        "train/tokens_per_s": sum(len(t.input_ids) for t in batch.kept) / update_time_s,
+        "rollout_time_s": batch.rollout_time_s,
+        "update_time_s": update_time_s,
+        "step_time_s": step_time_s,
     }
-    return metrics, trajectories
+
+
+def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
+    """One synchronous RL step; returns the step's metrics and the scored trajectories it trained on.
+    The async and Ray runtimes (polyrl/runtime/) call the same two halves, in other places."""
+    t0 = time.perf_counter()
+    faults.point("rollout", step)
+    batch = produce_batch(run, step)  # 1. sample tasks, 2. roll out, 3. score, 4. advantages
+    update, t_update = learn_batch(run, batch)  # 5. loss, 6. update, 7. sync weights into the engine
+    return step_metrics(batch, update, t_update, time.perf_counter() - t0), batch.kept  # 8. log
 
 
 def evaluate_all(run: Run) -> dict[str, float]:
