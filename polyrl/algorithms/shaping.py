@@ -8,6 +8,7 @@ import torch
 
 from polyrl.algorithms.advantages import ADVANTAGES
 from polyrl.algorithms.dapo import overlong_penalty
+from polyrl.algorithms.task_norm import task_normalise
 from polyrl.types import Trajectory
 
 
@@ -25,11 +26,16 @@ def shape_rewards(trajectories: list[Trajectory], algo: Any, max_new_tokens: int
 
 
 def assign_advantages(trajectories: list[Trajectory], algo: Any) -> None:
-    """Set each trajectory's ``advantage`` from ``algo.advantage`` over the rewards and group ids."""
+    """Set each trajectory's ``advantage`` from ``algo.advantage`` over the rewards and group ids, then
+    normalise within each task when ``algo.task_norm``."""
     if not trajectories:
         return
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
     groups = torch.tensor([t.group_id for t in trajectories])
     advantages = ADVANTAGES[algo.advantage](rewards, groups, **algo.advantage_kwargs)
+    if getattr(algo, "task_norm", False):
+        names = sorted({t.task for t in trajectories})
+        task_ids = torch.tensor([names.index(t.task) for t in trajectories])
+        advantages = task_normalise(advantages, task_ids)
     for t, a in zip(trajectories, advantages.tolist(), strict=True):
         t.advantage = a
