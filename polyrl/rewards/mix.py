@@ -1,0 +1,81 @@
+"""Rewards made of weighted components (``tasks[].reward_components``): the env's own reward and
+LLM-as-judge scores, mixed by weight after a round is rolled out (before advantages and DAPO's filter)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from polyrl.config import RewardComponentConfig
+    from polyrl.envs.base import Task
+    from polyrl.rewards.judge import Judge
+    from polyrl.types import Trajectory
+
+
+def component_names(components: Sequence[RewardComponentConfig]) -> list[str]:
+    """``env`` / ``judge``, numbered (``judge_1``) only when a kind appears more than once."""
+    kinds = [c.kind for c in components]
+    return [k if kinds.count(k) == 1 else f"{k}_{i}" for i, k in enumerate(kinds)]
+
+
+def weighted_reward(values: dict[str, float], weights: dict[str, float]) -> float:
+    """sum_k w_k * r_k over the components; a weight without a value is a bug, not a zero."""
+    missing = set(weights) - set(values)
+    if missing:
+        raise ValueError(f"reward components {sorted(missing)} have no value")
+    return sum(weights[k] * values[k] for k in weights)
+
+
+def question_of(task: Task, item: dict[str, Any]) -> str:
+    """The last user message an episode on ``item`` opens with (what a judge is asked about)."""
+    messages = task.make_env().reset(item)
+    users = [m["content"] for m in messages if m.get("role") == "user"]
+    return str(users[-1]) if users else ""
+
+
+class RewardMixer:
+    """Applies each task's reward components; judges are loaded once per model name and shared."""
+
+    def __init__(self, tasks: dict[str, Task], tokenizer: Any, default_judge: str, seed: int = 0) -> None:
+        self.tasks, self.tokenizer, self.default_judge, self.seed = tasks, tokenizer, default_judge, seed
+        self.judges: dict[str, Judge] = {}
+        self.active = any(t.config.reward_components for t in tasks.values())
+
+    def judge(self, name: str | None) -> Judge:
+        from polyrl.rewards.judge import Judge
+
+        name = name or self.default_judge
+        if name not in self.judges:
+            self.judges[name] = Judge(name, seed=self.seed)
+        return self.judges[name]
+
+    def apply(self, trajectories: Sequence[Trajectory], items: dict[int, dict[str, Any]]) -> None:
+        """Replace each trajectory's reward by its task's weighted components; ``items`` maps group id to the
+        item the group played. The env's reward is kept under ``rewards["env"]``."""
+        if not self.active:
+            return
+        for name, task in self.tasks.items():
+            comps = task.config.reward_components
+            mine = [t for t in trajectories if t.task == name]
+            if not comps or not mine:
+                continue
+            keys = component_names(comps)
+            values: list[dict[str, float]] = [{} for _ in mine]
+            questions = {t.group_id: question_of(task, items[t.group_id]) for t in mine}
+            for key, comp in zip(keys, comps, strict=True):
+                if comp.kind == "env":
+                    scores = [t.reward for t in mine]
+                else:
+                    pairs = [(questions[t.group_id], self._response(t)) for t in mine]
+                    scores = self.judge(comp.model).score(pairs, comp.rubric)
+                for v, s in zip(values, scores, strict=True):
+                    v[key] = float(s)
+            weights = {k: c.weight for k, c in zip(keys, comps, strict=True)}
+            for t, v in zip(mine, values, strict=True):
+                t.rewards = {**v}
+                t.reward = weighted_reward(v, weights)
+
+    def _response(self, t: Trajectory) -> str:
+        ids = [i for i, m in zip(t.input_ids, t.loss_mask, strict=True) if m]
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
