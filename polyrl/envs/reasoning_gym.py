@@ -109,7 +109,12 @@ class ReasoningGymTask(Task):
         return extract_answer(self.config, reply)
 
     def score(self, item: dict[str, Any], reply: str) -> float:
-        """reasoning-gym's scorer on the extracted answer; a reply with no answer scores 0, never raises."""
+        """reasoning-gym's scorer on the extracted answer (or, with ``answer: math_verify``, math-verify's
+        equality check against the item's answer); a reply with no answer scores 0, never raises."""
+        if self.config.answer == "math_verify":
+            from polyrl.rewards.math import math_verify_score
+
+            return math_verify_score(item["answer"], reply)
         return score_answer(self.train, item, self.extract_answer(reply))
 
 
