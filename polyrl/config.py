@@ -148,6 +148,71 @@ class AlgorithmConfig(_Strict):
         return self
 
 
+class ArpoConfig(_Strict):
+    """ARPO entropy-guided branching (Dong et al. 2025); docs/agents.md."""
+
+    enabled: bool = False
+    global_samples: int | None = Field(None, gt=0)
+    """Full rollouts per group (M); the other group_size - M leaves are branches. Unset: half the group."""
+    entropy_tokens: int = Field(10, gt=0)
+    """k: entropy is the mean over the first k tokens of a turn (turn 1 gives the initial entropy)."""
+    entropy_threshold: float = 0.0
+    """Branch after a tool result when its entropy exceeds the initial entropy by more than this (nats)."""
+    branch_width: int = Field(2, gt=0)
+    """Partial rollouts started at one branch point (Z), budget permitting."""
+
+
+class ReplayConfig(_Strict):
+    """Success replay and prompt replay (ARPO for GUI agents, Lu et al. 2025; RLEP); docs/agents.md."""
+
+    success_buffer: int = Field(0, ge=0)
+    """Successful trajectories kept per item; a group whose samples all failed gets one mixed in. 0 is off."""
+    replay_ratio: float = Field(1.0, ge=0, le=1)
+    """Probability that an all-fail group with a stored success gets one."""
+    success_score: float = 1.0
+    """A trajectory counts as a success when its score (info.score) reaches this."""
+    is_cap: float = Field(1.0, gt=0)
+    """Truncation c of a replayed token's importance weight min(pi_old / mu, c)."""
+    prompt_replay: float = Field(0.0, ge=0, le=1)
+    """Fraction of each step's prompts re-drawn from items already seen, favouring pass rates near 0.5."""
+
+
+class StepCreditConfig(_Strict):
+    """Per-turn advantages for multi-turn episodes; docs/agents.md."""
+
+    mode: Literal["off", "gigpo", "turn_discount"] = "off"
+    """gigpo: step groups of identical env states (Feng et al. 2025); turn_discount: discounted turn returns."""
+    weight: float = Field(1.0, ge=0)
+    """gigpo: weight of the step advantage added to the episode advantage."""
+    gamma: float = Field(0.95, ge=0, le=1)
+    """Discount over turns for the returns of both modes."""
+
+
+class EarlyStopConfig(_Strict):
+    """Stop a rollout when its smoothed uncertainty spikes above its own running baseline; docs/agents.md."""
+
+    enabled: bool = False
+    signal: Literal["surprise", "entropy"] = "surprise"
+    """surprise: -log-prob of the sampled token; entropy: of the sampling distribution."""
+    alpha: float = Field(0.3, gt=0, le=1)
+    """Smoothing of the signal's exponential moving average."""
+    threshold: float = Field(2.0, gt=0)
+    """Stop when the average exceeds the rollout's running mean by this much (nats)."""
+    min_tokens: int = Field(8, ge=0)
+    """Never stop a rollout before it has produced this many tokens."""
+    terminal_reward: float = 0.0
+    """The reward of a rollout stopped early (it replaces the env's)."""
+
+
+class AgentsConfig(_Strict):
+    """Agent training features, all off by default (docs/agents.md)."""
+
+    arpo: ArpoConfig = ArpoConfig()
+    replay: ReplayConfig = ReplayConfig()
+    step_credit: StepCreditConfig = StepCreditConfig()
+    early_stop: EarlyStopConfig = EarlyStopConfig()
+
+
 class OptimConfig(_Strict):
     lr: float = Field(1e-5, gt=0)
     weight_decay: float = Field(0.0, ge=0)
@@ -262,6 +327,7 @@ class Config(_Strict):
     tasks: list[TaskConfig] = Field(min_length=1)
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    agents: AgentsConfig = AgentsConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
@@ -306,6 +372,12 @@ class Config(_Strict):
             raise ValueError(
                 f"algorithm.overlong_buffer: {algo.overlong_buffer} is longer than "
                 f"rollout.max_new_tokens ({rollout.max_new_tokens})"
+            )
+        arpo = self.agents.arpo
+        if arpo.enabled and (rollout.group_size < 2 or (arpo.global_samples or 1) > rollout.group_size):
+            raise ValueError(
+                f"agents.arpo.global_samples: needs 1 <= global_samples <= rollout.group_size "
+                f"({rollout.group_size}) and a group of at least 2"
             )
         if algo.dynamic_sampling and rollout.group_size < 2:
             raise ValueError(

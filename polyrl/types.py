@@ -28,6 +28,9 @@ class Trajectory:
     rewards: dict[str, float] = field(default_factory=dict)
     reward: float = 0.0
     advantage: float = 0.0
+    token_advantages: list[float] | None = None
+    """Per-token advantages aligned with ``input_ids`` (step-level credit, ARPO's shared prefixes); when set,
+    the learner uses them instead of ``advantage``."""
     truncated: bool = False
     terminated_early: bool = False
     replayed: bool = False

@@ -8,6 +8,7 @@ instead of being decoded further as padding.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,22 @@ class Completion:
     """Behaviour log-prob of each sampled token under the sampling distribution (logits / temperature)."""
     finished: bool
     """True when the completion ended with a stop token, False when cut at max_new_tokens."""
+    entropies: list[float] | None = None
+    """Entropy of the sampling distribution at each token (only when ``generate(entropy=True)``)."""
+    stopped: bool = False
+    """True when the caller's ``stop`` predicate ended the completion early."""
+
+
+StopFn = Callable[[list[int], list[int], list[float], list[float] | None], list[bool]]
+"""``stop(rows, tokens, logprobs, entropies) -> flags``: called after each decoding step with the output rows
+still alive (``prompt * n + sample``), the token each just sampled and its log-prob (and entropy); rows
+flagged True end there."""
+
+
+def sampling_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per row (temperature 0 reads as 1)."""
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def sample_tokens(
@@ -102,17 +119,23 @@ class HFEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int = 0,
+        stop: StopFn | None = None,
+        entropy: bool = False,
     ) -> list[list[Completion]]:
-        """Sample ``n`` completions for each prompt; result[i][j] is the j-th sample of prompt i."""
+        """Sample ``n`` completions for each prompt; result[i][j] is the j-th sample of prompt i.
+
+        ``stop`` may end rows early (see ``StopFn``); ``entropy`` records each token's sampling entropy.
+        Neither changes the tokens sampled while a row lives.
+        """
         was_training = self.model.training
         self.model.eval()
         try:
-            flat = self._generate(prompts, n, max_new_tokens, temperature, top_p, seed)
+            flat = self._generate(prompts, n, max_new_tokens, temperature, top_p, seed, stop, entropy)
         finally:
             self.model.train(was_training)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _generate(self, prompts, n, max_new_tokens, temperature, top_p, seed) -> list[Completion]:
+    def _generate(self, prompts, n, max_new_tokens, temperature, top_p, seed, stop=None, entropy=False):
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -135,15 +158,24 @@ class HFEngine:
         tokens: list[list[int]] = [[] for _ in range(total)]
         logps: list[list[float]] = [[] for _ in range(total)]
         finished = [False] * total
+        stopped = [False] * total
+        ents: list[list[float]] | None = [[] for _ in range(total)] if entropy else None
 
         for step in range(max_new_tokens):
             tok, lp = sample_tokens(logits, temperature, top_p, generator)
+            row_list, tok_list, lp_list = rows.tolist(), tok.tolist(), lp.tolist()
+            ent_list = sampling_entropy(logits, temperature).tolist() if (entropy or stop) else None
+            flags = stop(row_list, tok_list, lp_list, ent_list) if stop is not None else None
             alive = []
-            for b, (row, t, logp) in enumerate(zip(rows.tolist(), tok.tolist(), lp.tolist(), strict=True)):
+            for b, (row, t, logp) in enumerate(zip(row_list, tok_list, lp_list, strict=True)):
                 tokens[row].append(t)
                 logps[row].append(logp)
+                if ents is not None:
+                    ents[row].append(ent_list[b])
                 if t in self.stop_ids:
                     finished[row] = True
+                elif flags is not None and flags[b]:
+                    stopped[row] = True
                 else:
                     alive.append(b)
             if not alive or step == max_new_tokens - 1:
@@ -155,4 +187,7 @@ class HFEngine:
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
             logits, cache = self._last_logits(tok[:, None], mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
-        return [Completion(tokens[i], logps[i], finished[i]) for i in range(total)]
+        return [
+            Completion(tokens[i], logps[i], finished[i], ents[i] if ents is not None else None, stopped[i])
+            for i in range(total)
+        ]

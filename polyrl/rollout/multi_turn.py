@@ -8,6 +8,8 @@ sample generates in one batch; the first turn shares each group's prompt prefill
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass, field
 from statistics import mean
 from typing import Any
@@ -16,6 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from polyrl.engines.hf import Completion, HFEngine
 from polyrl.envs.base import Env, Message, Task
+from polyrl.rollout.early_stop import EarlyStopper
 from polyrl.rollout.render import ChatRenderer
 from polyrl.types import Trajectory
 
@@ -58,6 +61,10 @@ class Episode:
     tool_calls: int = 0
     valid_tool_calls: int = 0
     tool_errors: list[str] = field(default_factory=list)
+    states: list[str] = field(default_factory=list)
+    """A key of the environment state each turn starts from (GiGPO's step groups)."""
+    terminated_early: bool = False
+    tokens_saved: int = 0
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.ids)
@@ -75,12 +82,24 @@ class Episode:
     def finish(self, env_done: bool, truncated: bool) -> None:
         self.done, self.env_done, self.truncated = True, env_done, truncated
 
-    def append(self, ids: list[int], logprobs: list[float] | None, version: int) -> None:
+    def append(self, ids: list[int], logprobs: list[float] | None, version: int | list[int]) -> None:
+        """Append model tokens (with ``logprobs``) or env tokens (``logprobs`` None). ``version`` may be one per
+        token: a partial rollout's turn can span policy versions (polyrl/runtime/partial.py)."""
         model = logprobs is not None
         self.ids += ids
         self.loss_mask += [int(model)] * len(ids)
         self.logprobs += logprobs if model else [0.0] * len(ids)
-        self.versions += [version if model else -1] * len(ids)
+        if model and isinstance(version, list):
+            self.versions += version
+        else:
+            self.versions += [version if model else -1] * len(ids)
+
+
+def state_key(observation: list[Message], info: dict[str, Any] | None = None) -> str:
+    """The env's own ``info["state"]`` when it gives one, else a digest of the observation messages."""
+    if info and "state" in info:
+        return str(info["state"])
+    return hashlib.sha1(json.dumps(observation, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def start_episode(
@@ -91,8 +110,23 @@ def start_episode(
     renderer = ChatRenderer(tokenizer, env.tools, env.tool_parser)
     context, ids = renderer.prompt(messages)
     max_turns = task.config.max_turns or env.max_turns
-    return Episode(task, item_id, item, group_id, env, renderer, messages, context, ids, max_turns,
-                   task.config.max_tokens)
+    episode = Episode(task, item_id, item, group_id, env, renderer, messages, context, ids, max_turns,
+                      task.config.max_tokens)
+    episode.states.append(state_key(messages))
+    return episode
+
+
+def stop_early(episode: Episode, completion: Completion, limit: int, version: int, reward: float) -> None:
+    """End an episode whose turn the early-stop predicate cut: keep its tokens, give it ``reward``."""
+    e = episode
+    ids, logprobs = completion.token_ids[:limit], completion.logprobs[:limit]
+    start = len(e.ids)
+    e.append(ids, logprobs, version)
+    e.spans.append((start, len(e.ids)))
+    e.turns += 1
+    e.rewards.append(reward)
+    e.terminated_early, e.tokens_saved = True, max(0, limit - len(ids))
+    e.finish(env_done=False, truncated=False)
 
 
 def advance(episode: Episode, completion: Completion, limit: int, version: int, engine: HFEngine) -> None:
@@ -101,7 +135,8 @@ def advance(episode: Episode, completion: Completion, limit: int, version: int, 
     ids, logprobs = completion.token_ids[:limit], completion.logprobs[:limit]
     stopped = bool(ids) and ids[-1] in engine.stop_ids
     start = len(e.ids)
-    e.append(ids, logprobs, version)
+    versions = getattr(completion, "versions", None)  # per token when the turn was a partial rollout
+    e.append(ids, logprobs, version if versions is None else versions[:limit])
     e.spans.append((start, len(e.ids)))
     reply = _decode(tok, ids[:-1] if stopped else ids)
     observations, reward, done, info = e.env.step(reply)
@@ -129,6 +164,7 @@ def advance(episode: Episode, completion: Completion, limit: int, version: int, 
     e.append(tail_ids, None, version)
     e.context = e.context + reply + (stop_text or "") + tail
     e.messages += observations
+    e.states.append(state_key(observations, info))
 
 
 def to_trajectory(e: Episode, tokenizer: PreTrainedTokenizerBase) -> Trajectory:
@@ -137,7 +173,10 @@ def to_trajectory(e: Episode, tokenizer: PreTrainedTokenizerBase) -> Trajectory:
     score = float(e.last_info.get("score", total)) if e.env_done else 0.0
     info: dict[str, Any] = {
         "answer": e.item.get("answer"), "score": score, "turns": e.turns, "env_done": e.env_done,
+        "turn_rewards": list(e.rewards), "turn_states": e.states[: e.turns],
     }
+    if e.terminated_early:
+        info["tokens_saved"] = e.tokens_saved
     if e.env.tools:
         info.update(tool_calls=e.tool_calls, valid_tool_calls=e.valid_tool_calls, tool_errors=e.tool_errors)
     return Trajectory(
@@ -153,6 +192,7 @@ def to_trajectory(e: Episode, tokenizer: PreTrainedTokenizerBase) -> Trajectory:
         rewards={e.task.name: total},
         reward=total,
         truncated=e.truncated,
+        terminated_early=e.terminated_early,
         info=info,
     )
 
@@ -167,6 +207,7 @@ def rollout(
     seed: int,
     version: int,
     first_group_id: int = 0,
+    stopper: EarlyStopper | None = None,
 ) -> list[Trajectory]:
     """Play ``group_size`` episodes per (task, item_id, item) request; ``max_new_tokens`` is per model turn.
 
@@ -174,7 +215,7 @@ def rollout(
     default), so tasks of different kinds can share one batch.
     """
     episodes = play(
-        engine, requests, group_size, max_new_tokens, temperature, top_p, seed, version, first_group_id
+        engine, requests, group_size, max_new_tokens, temperature, top_p, seed, version, first_group_id, stopper
     )
     return [to_trajectory(e, engine.tokenizer) for e in episodes]
 
@@ -189,8 +230,12 @@ def play(
     seed: int,
     version: int,
     first_group_id: int = 0,
+    stopper: EarlyStopper | None = None,
 ) -> list[Episode]:
-    """``rollout`` before the conversion to Trajectories: the finished episodes, messages included."""
+    """``rollout`` before the conversion to Trajectories: the finished episodes, messages included.
+
+    With a ``stopper``, a turn whose uncertainty spikes ends its episode early (``polyrl.rollout.early_stop``).
+    """
     tok = engine.tokenizer
     episodes: list[Episode] = []
     for g, (task, item_id, item) in enumerate(requests):
@@ -203,15 +248,21 @@ def play(
     while active := [e for e in episodes if not e.done]:
         limits = [e.turn_limit(max_new_tokens) for e in active]
         turn_seed = seed + turn * TURN_SEED_STRIDE
+        # Output row r of this turn's generate call plays active[r] (both orders are group-major).
+        extra = {"stop": stopper.predicate([id(e) for e in active])} if stopper is not None else {}
         if turn == 0:  # every group's samples share one prompt: prefill it once
             groups = engine.generate([episodes[i * group_size].ids for i in range(len(requests))], group_size,
-                                     max(limits), temperature, top_p, turn_seed)
+                                     max(limits), temperature, top_p, turn_seed, **extra)
             completions = [c for group in groups for c in group]
         else:
-            outs = engine.generate([e.ids for e in active], 1, max(limits), temperature, top_p, turn_seed)
+            outs = engine.generate([e.ids for e in active], 1, max(limits), temperature, top_p, turn_seed,
+                                   **extra)
             completions = [c for (c,) in outs]
         for e, c, limit in zip(active, completions, limits, strict=True):
-            advance(e, c, limit, version, engine)
+            if c.stopped:
+                stop_early(e, c, limit, version, stopper.terminal_reward)
+            else:
+                advance(e, c, limit, version, engine)
         turn += 1
     return episodes
 

@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from polyrl.algorithms import LOSSES, aggregate, kl_estimate, kl_penalty_to_go
 from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
+from polyrl.algorithms.offpolicy import truncated_is_weight
 from polyrl.config import AlgorithmConfig, OptimConfig
 from polyrl.models.forward import decoder_forward, head_logits
 from polyrl.types import Trajectory
@@ -32,7 +33,8 @@ class Batch:
     targets: torch.Tensor  # [B, R] token ids at response positions
     loss_mask: torch.Tensor  # [B, R]
     behaviour_logp: torch.Tensor  # [B, R]
-    advantages: torch.Tensor  # [B]
+    advantages: torch.Tensor  # [B], or [B, R] when some trajectory has token_advantages
+    replayed: torch.Tensor  # [B] bool: stored samples whose behaviour log-probs come from an older policy
 
     @property
     def response_len(self) -> int:
@@ -52,7 +54,8 @@ class Batch:
             targets=sub.targets[:, :right],
             loss_mask=sub.loss_mask[:, :right],
             behaviour_logp=sub.behaviour_logp[:, :right],
-            advantages=sub.advantages,
+            advantages=sub.advantages[:, :right] if sub.advantages.dim() == 2 else sub.advantages,
+            replayed=sub.replayed,
         )
 
 
@@ -72,6 +75,17 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
         attn[i, lo:hi] = 1
         loss_mask[i, :n_resp] = torch.tensor(t.loss_mask[s:], dtype=torch.float32)
         behaviour[i, :n_resp] = torch.tensor(t.logprobs[s:], dtype=torch.float32)
+        if t.info.get("parent_id") is not None:
+            # An ARPO branch's copied prefix is trained once, in the leaf it was generated in (which carries
+            # the attributed advantage); counting it again per leaf would weight shared tokens by their copies.
+            loss_mask[i, : max(0, int(t.info["branch_at"]) - s)] = 0.0
+    if any(t.token_advantages is not None for t in trajectories):
+        advantages = torch.zeros((b, width_right), dtype=torch.float32)
+        for i, (t, s) in enumerate(zip(trajectories, starts, strict=True)):
+            per_token = t.token_advantages or [t.advantage] * len(t.input_ids)
+            advantages[i, : len(t.input_ids) - s] = torch.tensor(per_token[s:], dtype=torch.float32)
+    else:
+        advantages = torch.tensor([t.advantage for t in trajectories], dtype=torch.float32)
     return Batch(
         input_ids=input_ids,
         attention_mask=attn,
@@ -79,7 +93,8 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
         targets=input_ids[:, width_left:],
         loss_mask=loss_mask,
         behaviour_logp=behaviour,
-        advantages=torch.tensor([t.advantage for t in trajectories], dtype=torch.float32),
+        advantages=advantages,
+        replayed=torch.tensor([t.replayed for t in trajectories], dtype=torch.bool),
     )
 
 
@@ -147,6 +162,9 @@ def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
 
 
 class Learner:
+    replay_is_cap: float = 1.0
+    """Truncation of replayed samples' importance weights (``agents.replay.is_cap``)."""
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -244,6 +262,10 @@ class Learner:
                 old_logp, old_values = old[k] if old is not None else (logp.detach(), _detach(values))
                 ref_logp = ref[k] if ref is not None else None
                 advantages, returns = self._advantages(mb, rewards[c], old_logp, ref_logp, old_values)
+                if bool(mb.replayed.any()):  # off-policy correction of replayed samples (data/replay.py)
+                    w = truncated_is_weight(old_logp, mb.behaviour_logp, self.replay_is_cap)
+                    w = torch.where(mb.replayed[:, None], w, torch.ones_like(w))
+                    advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * w
                 pg_loss, m = loss_fn(
                     logp, old_logp, advantages, mb.loss_mask, clip_low=algo.clip_low,
                     clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=num_tokens, **algo.loss_kwargs,
@@ -307,7 +329,8 @@ class Learner:
         if self.value_head is None:
             if kl is None:
                 return mb.advantages, None
-            return mb.advantages[:, None] + kl_penalty_to_go(kl, mb.loss_mask, algo.kl_coef), None
+            per_token = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
+            return per_token + kl_penalty_to_go(kl, mb.loss_mask, algo.kl_coef), None
         token_rewards = terminal_rewards(rewards, mb.loss_mask)
         if kl is not None:
             token_rewards = token_rewards - algo.kl_coef * kl * mb.loss_mask

@@ -24,8 +24,9 @@ from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
 from polyrl.observe.progress import TrainProgress
 from polyrl.observe.report import write_report_safely
-from polyrl.rollout.multi_turn import evaluate, rollout, rollout_metrics
+from polyrl.rollout.multi_turn import evaluate, rollout_metrics
 from polyrl.train import faults
+from polyrl.train.agents import AgentFeatures
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.train.learner import Learner
 from polyrl.train.teachers import load_teachers
@@ -48,6 +49,7 @@ class Run:
     engine: HFEngine
     learner: Learner
     sampler: TaskSampler
+    agents: AgentFeatures
 
 
 def build_run(config: Config, run_dir: Path) -> Run:
@@ -63,7 +65,8 @@ def build_run(config: Config, run_dir: Path) -> Run:
         total_steps=config.train.steps, teachers=load_teachers(config, model),
     )
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=config.train.seed)
-    return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler)
+    learner.replay_is_cap = config.agents.replay.is_cap
+    return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler, AgentFeatures(config))
 
 
 RolloutFn = Callable[[list[tuple[Task, int, dict[str, Any]]], int, int, int], list[Trajectory]]
@@ -95,8 +98,7 @@ def local_rollout(run: Run) -> RolloutFn:
     r = run.config.rollout
 
     def rollout_fn(requests, seed: int, version: int, first_id: int) -> list[Trajectory]:
-        return rollout(run.engine, requests, r.group_size, r.max_new_tokens, r.temperature, r.top_p,
-                       seed=seed, version=version, first_group_id=first_id)
+        return run.agents.rollout(run.engine, requests, r, seed, version, first_id)
 
     return rollout_fn
 
@@ -109,17 +111,20 @@ def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: R
     rollout_fn = rollout_fn or local_rollout(run)
 
     def sample_round(round_index: int, n_prompts: int, first_id: int) -> list[Trajectory]:
-        draws = run.sampler.draw(step, n_prompts, round_index)
+        draws = run.agents.draw(run.sampler, step, n_prompts, round_index)
         requests = [(run.tasks[d.task], d.index, run.tasks[d.task].train_item(d.index)) for d in draws]
         # Round 0 keeps the step's seed; extra dynamic-sampling rounds need fresh samples, so fresh seeds.
         seed = cfg.train.seed * 1_000_003 + step + round_index * 1_000_000_007
-        return rollout_fn(requests, seed, version, first_id)
+        trajectories = rollout_fn(requests, seed, version, first_id)
+        run.agents.after_rollout(trajectories, step)  # success replay mixes into all-fail groups here
+        return trajectories
 
     # DAPO dynamic sampling swaps zero-variance groups for new ones
     groups = dynamic_sample(sample_round, cfg.rollout.prompts_per_step, algo.dynamic_sampling, algo.max_extra_rounds)
     t_rollout = time.perf_counter() - t0
     shaping = shape_rewards(groups.sampled, algo, cfg.rollout.max_new_tokens)
     assign_advantages(groups.kept, algo)
+    shaping.update(run.agents.after_advantages(groups.kept, groups.sampled))  # step credit, ARPO attribution
     return ScoredBatch(step, groups, shaping, t_rollout)
 
 
@@ -203,6 +208,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         run.engine.sync()
         run.learner.load_state_dict(optimizer_state)
         run.sampler.load_state_dict(state["sampler"])
+        run.agents.load_state_dict(state.get("agents", {}))
         start, train_time = state["step"], state["train_time_s"]
         log(f"resumed from {ckpt} (step {start})")
 
@@ -215,7 +221,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         save_checkpoint(
             run_dir, step, run.model, run.tokenizer,
             run.learner.state_dict(),
-            {"sampler": run.sampler.state_dict(), "train_time_s": train_time},
+            {"sampler": run.sampler.state_dict(), "agents": run.agents.state_dict(), "train_time_s": train_time},
             keep=config.train.keep_checkpoints,
         )
 
