@@ -138,6 +138,17 @@ class AlgorithmConfig(_Strict):
     distill_coef: float = Field(0.0, ge=0)
     """Weight of the per-token reverse KL to each task's teacher (tasks[].teacher, docs/multidomain.md);
     0 is off."""
+    off_policy: Literal["none", "decoupled", "tis", "m2po"] = "none"
+    """Correction for tokens sampled by an older policy (async runtimes, partial rollouts; docs/systems.md).
+    none: the ratio is to the policy at the update's start and the behaviour log-probs go unused. decoupled:
+    AReaL's decoupled PPO, ratio to the proximal policy (the learner's weights at the update's start,
+    log-probs recomputed) times the weight pi_prox / pi_behaviour. tis: the same weight truncated at
+    ``tis_cap`` (Yao et al. 2025). m2po: ratio to the behaviour policy, tokens masked by M2PO's second-moment
+    bound ``m2po_tau`` (Zheng et al. 2025)."""
+    tis_cap: float = Field(2.0, gt=0)
+    """Truncation C of the importance weight min(pi_prox / pi_behaviour, C) (off_policy: tis)."""
+    m2po_tau: float = Field(0.04, ge=0)
+    """M2PO's bound on the mean squared log importance ratio of the kept tokens (off_policy: m2po)."""
 
     @model_validator(mode="after")
     def _check_algorithm(self) -> AlgorithmConfig:
@@ -320,6 +331,40 @@ class PipelineConfig(_Strict):
     """Steps of an inserted distill stage."""
 
 
+class RuntimeConfig(_Strict):
+    """Runtimes (docs/systems.md): all run the same two halves of a step, produce a batch and learn from it."""
+
+    kind: Literal["local", "async", "ray"] = "local"
+    """local: one process, rollout then update. async: a rollout process produces batches while the learner
+    updates (torch.multiprocessing). ray: rollout workers as Ray actors, the learner in the driver process
+    (``polyrl[ray]``)."""
+    eta: int = Field(0, ge=0)
+    """Staleness bound: every token trained on at learner version v was sampled by a policy of version
+    >= v - eta. 0 reproduces the local run exactly (async) or waits for every update (ray)."""
+    num_workers: int = Field(1, gt=0)
+    """Rollout workers (ray: actors that share each step's groups; async: must be 1, one rollout process)."""
+    partial_rollouts: bool = False
+    """async: generate in chunks of ``chunk_tokens`` and load new weights between chunks, so a response
+    started by one policy version is continued by the next (each token keeps its own version and log-prob)."""
+    chunk_tokens: int = Field(16, gt=0)
+    """Tokens generated between weight checks with ``partial_rollouts``."""
+    rollout_threads: int | None = Field(None, gt=0)
+    """async: torch threads of the rollout process; unset uses the learner's count."""
+    ray_address: str | None = None
+    """ray: an existing cluster's address (``ray start --head`` prints it); unset starts a local Ray."""
+    ray_num_cpus: int | None = Field(None, gt=0)
+    """ray: CPUs of the local Ray started when ``ray_address`` is unset (default: all)."""
+
+    @model_validator(mode="after")
+    def _check_runtime(self) -> RuntimeConfig:
+        if self.kind == "async" and self.num_workers != 1:
+            raise ValueError("runtime.num_workers: the async runtime has one rollout process; use kind: ray "
+                             "for more workers")
+        if self.partial_rollouts and self.kind != "async":
+            raise ValueError("runtime.partial_rollouts: needs runtime.kind: async")
+        return self
+
+
 class Config(_Strict):
     name: str = "run"
     model: ModelConfig = ModelConfig()
@@ -335,6 +380,8 @@ class Config(_Strict):
     stages: list[StageConfig] = []
     """An ordered pipeline (sft / rl / distill stages); empty is one RL run of ``train.steps``."""
     pipeline: PipelineConfig = PipelineConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    """Where rollouts and learning run: in one process, overlapped in two, or as Ray actors."""
 
     @model_validator(mode="after")
     def _check_stages(self) -> Config:

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from polyrl.algorithms import LOSSES, aggregate, kl_estimate, kl_penalty_to_go
+from polyrl.algorithms.corrections import correct_off_policy
 from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.algorithms.offpolicy import truncated_is_weight
@@ -266,10 +267,16 @@ class Learner:
                     w = truncated_is_weight(old_logp, mb.behaviour_logp, self.replay_is_cap)
                     w = torch.where(mb.replayed[:, None], w, torch.ones_like(w))
                     advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * w
+                pg_mask, off_metrics = mb.loss_mask, {}
+                if algo.off_policy != "none":  # stale tokens (async runtimes): algorithms/corrections.py
+                    old_logp, advantages, pg_mask, off_metrics = correct_off_policy(
+                        algo.off_policy, old_logp, mb.behaviour_logp, advantages, mb.loss_mask, algo.tis_cap,
+                        algo.m2po_tau)
                 pg_loss, m = loss_fn(
-                    logp, old_logp, advantages, mb.loss_mask, clip_low=algo.clip_low,
+                    logp, old_logp, advantages, pg_mask, clip_low=algo.clip_low,
                     clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=num_tokens, **algo.loss_kwargs,
                 )
+                m.update(off_metrics)
                 ent = aggregate(entropy, mb.loss_mask, algo.loss_agg, num_tokens) * share
                 loss = algo.pg_coef * pg_loss * share - algo.entropy_coef * ent
                 parts = {"loss/pg": float(pg_loss.detach()) * share, "entropy": float(ent.detach())}

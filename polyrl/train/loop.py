@@ -25,6 +25,7 @@ from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
 from polyrl.observe.progress import TrainProgress
 from polyrl.observe.report import write_report_safely
 from polyrl.rollout.multi_turn import evaluate, rollout_metrics
+from polyrl.runtime import make_stepper
 from polyrl.train import faults
 from polyrl.train.agents import AgentFeatures
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
@@ -230,11 +231,12 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     samples = TrajectoryWriter(run_dir, config.logging.trajectories_per_group, resume_step)
     step, skipped_in_row = start, 0
     budget_s = config.train.max_minutes * 60 if config.train.max_minutes else float("inf")
+    stepper = make_stepper(run, start)  # runtime.kind: local (rl_step), async or ray
     try:
         with TrainProgress(config.train.steps, config.logging.progress, start) as progress:
             while step < config.train.steps and train_time < budget_s:
                 step += 1
-                metrics, trajectories = rl_step(run, step)
+                metrics, trajectories = stepper.step(step)
                 train_time += metrics["step_time_s"]
                 metrics["train_time_s"] = train_time
                 metrics.update({f"task_ratio/{k}": v for k, v in run.sampler.realised_ratio().items()})
@@ -251,6 +253,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
                 if config.train.checkpoint_every and step % config.train.checkpoint_every == 0:
                     checkpoint(step)
     finally:
+        stepper.close()
         logger.close()
         samples.close()
     already_saved = config.train.checkpoint_every and step % config.train.checkpoint_every == 0 and step > start

@@ -1,0 +1,36 @@
+"""Runtimes: where the two halves of a step (``produce_batch``, ``learn_batch``) run (docs/systems.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from polyrl.runtime.common import Stepper
+
+
+class LocalStepper:
+    """The synchronous runtime: ``rl_step`` in this process."""
+
+    def __init__(self, run: Any) -> None:
+        self.run = run
+
+    def step(self, step: int):
+        from polyrl.train.loop import rl_step
+
+        return rl_step(self.run, step)
+
+    def close(self) -> None:
+        pass
+
+
+def make_stepper(run: Any, start: int) -> Stepper:
+    """The stepper of ``run.config.runtime.kind``, resuming after step ``start``."""
+    kind = run.config.runtime.kind
+    if kind == "async":
+        from polyrl.runtime.async_ import AsyncStepper
+
+        return AsyncStepper(run, start)
+    if kind == "ray":
+        from polyrl.runtime.ray_ import RayStepper
+
+        return RayStepper(run, start)
+    return LocalStepper(run)

@@ -1,0 +1,142 @@
+"""The async runtime: a rollout process produces scored batches while the learner updates.
+
+Both processes build the same run from the config (same seed, same weights). The learner ships its weights
+as a versioned state dict after every update (version v = after v updates); the rollout process loads the
+newest it has received before each batch and, with partial rollouts, between chunks of generation. Batch
+``s`` (trained at learner version s - 1) may start only once the rollout process holds version
+>= s - 1 - eta, so every trained token obeys the staleness bound; with eta = 0 the rollout process always
+waits for the latest update, which reproduces the local runtime exactly.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from polyrl.config import Config
+from polyrl.runtime.common import check_staleness, staleness_metrics
+from polyrl.runtime.partial import PartialEngine
+from polyrl.types import Trajectory
+
+_POLL_S = 1.0
+
+
+class _Stop(Exception):
+    """The learner asked the rollout process to end."""
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # A copy: the learner keeps updating its tensors in place while the rollout process reads this one.
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _rollout_main(
+    config: Config, run_dir: Path, start: int, sampler_state: dict, weights_q: Any, batch_q: Any, threads: int
+) -> None:
+    """The rollout process: produce batches start+1 .. train.steps in order, each from the newest weights
+    allowed, and send each with the sampler state after it (the learner checkpoints that state)."""
+    from polyrl.train.loop import build_run, local_rollout, produce_batch
+
+    try:
+        torch.set_num_threads(threads)
+        rt = config.runtime
+        run = build_run(config, run_dir)
+        run.sampler.load_state_dict(sampler_state)
+        version = -1
+
+        def take(block: bool) -> int:
+            """Load the newest weights waiting (waiting for one when ``block``); return the version held."""
+            nonlocal version
+            newest = None
+            while True:
+                try:
+                    msg = weights_q.get(timeout=None if block and newest is None else 0.001)
+                except queue.Empty:
+                    break
+                if msg is None:
+                    raise _Stop
+                newest = msg
+            if newest is not None:
+                version, state = newest
+                run.model.load_state_dict(state)
+                run.engine.sync()
+            return version
+
+        rollout_fn = local_rollout(run)
+        if rt.partial_rollouts:
+            engine = run.engine
+            run.engine = PartialEngine(engine, rt.chunk_tokens, lambda: take(False))
+            rollout_fn = local_rollout(run)
+            run.engine = engine
+        for step in range(start + 1, config.train.steps + 1):
+            take(False)
+            while version < step - 1 - rt.eta:
+                take(True)
+            batch = produce_batch(run, step, version, rollout_fn)
+            batch_q.put(("batch", batch, run.sampler.state_dict()))
+    except _Stop:
+        return
+    except BaseException as exc:  # the learner re-raises it, one line plus the worker's traceback
+        batch_q.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+
+
+class AsyncStepper:
+    """The learner's side: receive batch s, update, publish version s."""
+
+    def __init__(self, run: Any, start: int) -> None:
+        self.run, self.eta = run, run.config.runtime.eta
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools or locks
+        self.weights_q, self.batch_q = ctx.Queue(), ctx.Queue()
+        threads = run.config.runtime.rollout_threads or torch.get_num_threads()
+        self.proc = ctx.Process(
+            target=_rollout_main,
+            args=(run.config, run.run_dir, start, run.sampler.state_dict(), self.weights_q, self.batch_q, threads),
+            daemon=True,
+        )
+        self.proc.start()
+        self.weights_q.put((start, _snapshot(run.model)))
+        self._last = time.perf_counter()
+
+    def _receive(self) -> tuple[Any, dict]:
+        while True:
+            try:
+                msg = self.batch_q.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"runtime.kind async: the rollout process died (exit code "
+                                       f"{self.proc.exitcode})") from None
+                continue
+            if msg[0] == "error":
+                raise RuntimeError(f"runtime.kind async: the rollout process failed: {msg[1]}\n{msg[2]}")
+            return msg[1], msg[2]
+
+    def step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
+        from polyrl.train.loop import learn_batch, step_metrics
+
+        batch, sampler_state = self._receive()
+        if batch.step != step:
+            raise RuntimeError(f"runtime.kind async: expected the batch of step {step}, got step {batch.step}")
+        check_staleness(batch.kept, step - 1, self.eta, "runtime.kind async")
+        update, t_update = learn_batch(self.run, batch)
+        if step < self.run.config.train.steps:
+            self.weights_q.put((step, _snapshot(self.run.model)))
+        self.run.sampler.load_state_dict(sampler_state)
+        now = time.perf_counter()
+        metrics = step_metrics(batch, update, t_update, now - self._last)
+        self._last = now
+        metrics.update(staleness_metrics(batch.kept, step - 1))
+        return metrics, batch.kept
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            self.weights_q.put(None)
+            self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
