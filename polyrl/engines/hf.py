@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from polyrl.engines.kv_cache import preallocate
 from polyrl.models.forward import decoder_forward
 
 
@@ -46,21 +47,39 @@ def sampling_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def sample_tokens(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; temperature 0 is greedy. Returns (tokens [B], log-probs [B])."""
+    """Sample one token per row; temperature 0 is greedy. Returns (tokens [B], log-probs [B]).
+
+    Sampling inverts each row's CDF at one uniform draw, so a step draws B random numbers. ``torch.multinomial``
+    draws one exponential per vocabulary entry instead (B x 49152 for SmolLM2), which on a CPU cost more than
+    the whole decoder step at batch 16.
+    """
     if temperature == 0:
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     probs = logprobs.exp()
+    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=probs.dtype)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_probs.cumsum(-1) - sorted_probs > top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        kept = sorted_probs.cumsum(-1) - sorted_probs <= top_p
+        picked = inverse_cdf(sorted_probs * kept, u, kept.sum(-1, keepdim=True) - 1)
+        tokens = order.gather(-1, picked).squeeze(-1)
+    else:
+        tokens = inverse_cdf(probs, u, probs.shape[-1] - 1).squeeze(-1)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, last: torch.Tensor | int) -> torch.Tensor:
+    """Index i with cdf[i-1] <= u * total < cdf[i] per row ([B, 1]); zero-weight entries are never chosen.
+
+    ``last`` caps the index for the (float-rounding) case u * total == total. The float32 running sum moves each
+    entry's share by at most about 1e-7 absolute.
+    """
+    cdf = weights.cumsum(-1)
+    idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    return torch.minimum(idx, torch.as_tensor(last))
 
 
 class HFEngine:
@@ -78,8 +97,11 @@ class HFEngine:
         tokenizer: PreTrainedTokenizerBase,
         bf16: bool = True,
         bf16_weights: bool = False,
+        preallocate_cache: bool = True,
     ) -> None:
         self.policy = policy
+        # False keeps transformers' growing DynamicCache: the reference the preallocated one is tested against.
+        self.preallocate_cache = preallocate_cache
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id}
@@ -146,12 +168,17 @@ class HFEngine:
         generator = torch.Generator().manual_seed(seed)
 
         logits, cache = self._last_logits(input_ids, mask, positions, None)
+        if self.preallocate_cache:
+            cache = preallocate(cache, width + max_new_tokens)
         if n > 1:
             # One prefill per prompt; its KV cache is shared by the group's samples.
             cache.batch_repeat_interleave(n)
             logits = logits.repeat_interleave(n, 0)
             mask = mask.repeat_interleave(n, 0)
             positions = positions.repeat_interleave(n, 0)
+        # The attention mask grows by a column of ones per step: slices of one buffer instead of a cat per step.
+        mask_buf = torch.ones((mask.shape[0], width + max_new_tokens), dtype=mask.dtype)
+        mask_buf[:, :width] = mask
         next_pos = positions[:, -1] + 1
         total = len(prompts) * n
         rows = torch.arange(total)  # which output row each live batch row belongs to
@@ -183,8 +210,8 @@ class HFEngine:
             if len(alive) < len(rows):
                 keep = torch.tensor(alive)
                 cache.batch_select_indices(keep)
-                rows, tok, mask, next_pos = rows[keep], tok[keep], mask[keep], next_pos[keep]
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype)], dim=1)
+                rows, tok, mask_buf, next_pos = rows[keep], tok[keep], mask_buf[keep], next_pos[keep]
+            mask = mask_buf[:, : width + step + 1]
             logits, cache = self._last_logits(tok[:, None], mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
         return [

@@ -1,0 +1,62 @@
+"""A KV cache preallocated to the generation's final length.
+
+transformers' ``DynamicCache`` appends each decoded token with ``torch.cat``, which copies the whole cache of
+every layer at every step: O(T) bytes per token, O(T^2) per completion. Here each layer writes the new key and
+value into a buffer sized once for prompt + max_new_tokens and hands attention views of the filled part, so a
+step copies only the new token. Attention reads exactly the same keys and values as with the dynamic cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One layer's keys and values in ``[B, heads, capacity, head_dim]`` buffers; ``length`` of them are filled."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        super().__init__()
+        b, h, t, d = keys.shape
+        self.dtype, self.device = keys.dtype, keys.device
+        self.key_buf = keys.new_empty((b, h, capacity, d))
+        self.value_buf = values.new_empty((b, values.shape[1], capacity, values.shape[-1]))
+        self.key_buf[:, :, :t] = keys
+        self.value_buf[:, :, :t] = values
+        self.length = t
+        self.is_initialized = True
+        self._expose()
+
+    def _expose(self) -> None:
+        # Views, not copies: anything that reads ``keys``/``values`` sees the filled part only.
+        self.keys = self.key_buf[:, :, : self.length]
+        self.values = self.value_buf[:, :, : self.length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        end = self.length + key_states.shape[-2]
+        if end > self.key_buf.shape[2]:
+            raise RuntimeError(f"KV cache capacity {self.key_buf.shape[2]} exceeded (needs {end})")
+        self.key_buf[:, :, self.length : end] = key_states
+        self.value_buf[:, :, self.length : end] = value_states
+        self.length = end
+        self._expose()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.key_buf = self.key_buf.repeat_interleave(repeats, dim=0)
+        self.value_buf = self.value_buf.repeat_interleave(repeats, dim=0)
+        self._expose()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.key_buf = self.key_buf[indices]
+        self.value_buf = self.value_buf[indices]
+        self._expose()
+
+
+def preallocate(cache: DynamicCache, capacity: int) -> DynamicCache:
+    """Move a filled dynamic cache (e.g. after prefill) into buffers that hold ``capacity`` positions."""
+    cache.layers = [PreallocatedLayer(layer.keys, layer.values, capacity) for layer in cache.layers]
+    return cache
