@@ -48,6 +48,19 @@ class EngineConfig(_Strict):
     """Sample from a bfloat16 copy of the policy, refreshed after every update (faster decoding on CPU)."""
 
 
+class RewardComponentConfig(_Strict):
+    """One term of a task's reward; the reward is the weighted sum of its components."""
+
+    kind: Literal["env", "judge"]
+    """env: the environment's own reward (its scorer, tests or rules); judge: the probability that a local
+    model answers "yes" to ``rubric`` about the response (LLM-as-judge)."""
+    weight: float = 1.0
+    rubric: str = "Is the response a correct and helpful answer to the question?"
+    """judge: the yes/no question put to the judge model about the question and the response."""
+    model: str | None = None
+    """judge: an alias or Hugging Face directory of the judge model; unset uses ``model.name`` (a frozen copy)."""
+
+
 class TaskConfig(_Strict):
     name: str
     """The task's name in metrics; for the reasoning_gym env, the dataset (``polyrl tasks`` lists them)."""
@@ -65,12 +78,27 @@ class TaskConfig(_Strict):
     tool_parser: str = "auto"
     """Tool-call format: smollm2, hermes (qwen), llama3, or auto (read from the model's chat template)."""
     prompt_suffix: str = ""
-    answer: Literal["last_number", "full"] = "last_number"
-    """How the answer is read from a reply: the last number in it, or the whole stripped reply."""
+    answer: Literal["last_number", "full", "math_verify"] = "last_number"
+    """How the answer is read from a reply: the last number in it, the whole stripped reply, or math_verify
+    (the reply is parsed by ``math-verify``, LaTeX and boxed answers included, and checked for mathematical
+    equality with the item's answer)."""
     eval_size: int = Field(200, gt=0)
+    reward_components: list[RewardComponentConfig] = []
+    """Weighted reward terms (env, judge); empty is the env's reward alone."""
     teacher: str | None = None
     """On-policy distillation teacher for this task: an alias or HF model directory (a checkpoint works),
     used when algorithm.distill_coef > 0. In a pipeline, stages[].teachers can name ``best`` instead."""
+
+
+class CrossPolicyConfig(_Strict):
+    """A share of each step's rollouts sampled by another policy (AgentRL's cross-policy sampling)."""
+
+    model: str
+    """The other policy: an alias, a Hugging Face directory, or a checkpoint (RUN_DIR/checkpoints/step-N)."""
+    share: float = Field(0.25, ge=0, le=1)
+    """Fraction of each step's groups rolled out by the other policy (rounded; whole groups)."""
+    is_cap: float = Field(2.0, gt=0)
+    """Truncated importance sampling: the weight pi/mu on its tokens is capped here."""
 
 
 class RolloutConfig(_Strict):
@@ -79,6 +107,9 @@ class RolloutConfig(_Strict):
     max_new_tokens: int = Field(64, gt=0)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1.0)
+    cross_policy: CrossPolicyConfig | None = None
+    """Sample a share of the groups from another policy, corrected by truncated importance weights; unset
+    is off."""
 
 
 class AlgorithmConfig(_Strict):
@@ -133,6 +164,9 @@ class AlgorithmConfig(_Strict):
     """Scale of the overlong penalty (it ramps from 0 to -overlong_penalty)."""
     mask_truncated: bool = False
     """Leave samples cut off at max_new_tokens out of the loss (DAPO overlong filtering)."""
+    task_norm: bool = False
+    """AgentRL task-advantage normalisation: after the estimator, normalise advantages to mean 0 and std 1
+    within each task of the batch, so tasks with larger reward spreads do not dominate the update."""
     pg_coef: float = Field(1.0, ge=0)
     """Weight of the policy-gradient loss; distill stages set it to 0 (pure on-policy distillation)."""
     distill_coef: float = Field(0.0, ge=0)
@@ -149,6 +183,13 @@ class AlgorithmConfig(_Strict):
     """Truncation C of the importance weight min(pi_prox / pi_behaviour, C) (off_policy: tis)."""
     m2po_tau: float = Field(0.04, ge=0)
     """M2PO's bound on the mean squared log importance ratio of the kept tokens (off_policy: m2po)."""
+
+    @model_validator(mode="after")
+    def _check_task_norm(self) -> AlgorithmConfig:
+        if self.task_norm and self.advantage == "gae":
+            raise ValueError("algorithm.task_norm: needs a sample-level estimator; gae's advantages come from "
+                             "the critic per token")
+        return self
 
     @model_validator(mode="after")
     def _check_algorithm(self) -> AlgorithmConfig:
@@ -222,6 +263,37 @@ class AgentsConfig(_Strict):
     replay: ReplayConfig = ReplayConfig()
     step_credit: StepCreditConfig = StepCreditConfig()
     early_stop: EarlyStopConfig = EarlyStopConfig()
+
+
+class PhaseConfig(_Strict):
+    """One phase of a declared task order."""
+
+    until_step: int = Field(gt=0)
+    """The phase lasts through this step (the last phase also runs on past it)."""
+    weights: dict[str, float]
+    """Task name -> mixture weight during the phase; tasks left out are not drawn."""
+
+
+class CurriculumConfig(_Strict):
+    """Task order, rising difficulty and an adaptive mixture (docs/multidomain.md); all off by default."""
+
+    phases: list[PhaseConfig] = []
+    """A declared task order: the mixture weights by phase; empty uses ``tasks[].weight`` throughout."""
+    levels: dict[str, list[dict[str, Any]]] = {}
+    """Task name -> difficulty levels, each a dict of params merged over ``tasks[].params`` (level 0 is the
+    task's own params); a task moves up a level when its recent pass rate exceeds ``promote_at``."""
+    promote_at: float = Field(0.8, gt=0, le=1)
+    """Pass rate (fraction of recent samples fully solved) that moves a task to its next level."""
+    pass_window: int = Field(64, gt=0)
+    """Recent samples per task over which the pass rate is measured (it must be full to promote)."""
+    adaptive: bool = False
+    """Adapt the mixture online to each task's learning progress, the absolute slope of its recent mean reward
+    (Matiisen et al. 2017, teacher-student curriculum); replaces phases and weights once every task has
+    history."""
+    progress_window: int = Field(8, ge=2)
+    """Recent steps of each task's mean reward that the slope is fitted over."""
+    floor: float = Field(0.1, ge=0, le=1)
+    """Share of the adaptive mixture spread evenly over the tasks, so none starves."""
 
 
 class OptimConfig(_Strict):
@@ -377,6 +449,8 @@ class Config(_Strict):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
+    curriculum: CurriculumConfig | None = None
+    """Task phases, difficulty levels and adaptive mixture ratios; unset is a fixed mixture."""
     stages: list[StageConfig] = []
     """An ordered pipeline (sft / rl / distill stages); empty is one RL run of ``train.steps``."""
     pipeline: PipelineConfig = PipelineConfig()
@@ -414,6 +488,10 @@ class Config(_Strict):
             check_task(task, key=f"tasks.{i}")
             if task.name in [t.name for t in self.tasks[:i]]:
                 raise ValueError(f"tasks.{i}.name: task '{task.name}' is listed twice; names must differ")
+        if self.curriculum is not None:
+            from polyrl.data.curriculum import check_curriculum
+
+            check_curriculum(self.curriculum, self.tasks)
         algo, rollout = self.algorithm, self.rollout
         if algo.overlong_buffer > rollout.max_new_tokens:
             raise ValueError(
