@@ -176,11 +176,13 @@ class Learner:
         pad_id: int,
         total_steps: int = 0,
         teachers: dict[str, PreTrainedModel] | None = None,
+        is_cap: float = 2.0,
     ) -> None:
         """``total_steps`` is the run's length, over which a decaying learning-rate schedule reaches 0;
         ``teachers`` maps a task name to its frozen distillation teacher (``algo.distill_coef`` weighs it)."""
         self.model = model
         self.teachers = teachers or {}
+        self.is_cap = is_cap  # truncated IS cap for rows sampled by another policy (info["cross_policy"])
         self.algo = algo
         self.optim_cfg = optim
         self.temperature = temperature
@@ -241,6 +243,7 @@ class Learner:
             keep = torch.tensor([not t.truncated for t in trajectories], dtype=batch.loss_mask.dtype)
             batch.loss_mask = batch.loss_mask * keep[:, None]
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+        cross = torch.tensor([bool(t.info.get("cross_policy")) for t in trajectories])
         chunks = [slice(i, i + micro) for i in range(0, len(trajectories), micro)]
         num_tokens = float(batch.loss_mask.sum().clamp(min=1))
         micro_batches = [batch.rows(c) for c in chunks]  # trimmed once, reused by every pass below
@@ -263,6 +266,11 @@ class Learner:
                 old_logp, old_values = old[k] if old is not None else (logp.detach(), _detach(values))
                 ref_logp = ref[k] if ref is not None else None
                 advantages, returns = self._advantages(mb, rewards[c], old_logp, ref_logp, old_values)
+                # Tokens another policy sampled (rollout.cross_policy): weight by min(pi_old / mu, cap), unless
+                # algorithm.off_policy already corrects every row.
+                x_metrics = {}
+                if algo.off_policy == "none" and bool(cross[c].any()):
+                    advantages, x_metrics = self._cross_policy(mb, cross[c], old_logp, advantages)
                 if bool(mb.replayed.any()):  # off-policy correction of replayed samples (data/replay.py)
                     w = truncated_is_weight(old_logp, mb.behaviour_logp, self.replay_is_cap)
                     w = torch.where(mb.replayed[:, None], w, torch.ones_like(w))
@@ -277,6 +285,7 @@ class Learner:
                     clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=num_tokens, **algo.loss_kwargs,
                 )
                 m.update(off_metrics)
+                m = {**m, **x_metrics}
                 ent = aggregate(entropy, mb.loss_mask, algo.loss_agg, num_tokens) * share
                 loss = algo.pg_coef * pg_loss * share - algo.entropy_coef * ent
                 parts = {"loss/pg": float(pg_loss.detach()) * share, "entropy": float(ent.detach())}
@@ -319,6 +328,20 @@ class Learner:
         totals.setdefault("kl", None)  # not measured: no reference was kept (kl_coef 0, track_kl off)
         totals.setdefault("skipped_updates", 0.0)
         return {**totals, **means, "lr": self.scheduler.get_last_lr()[0]}
+
+    def _cross_policy(
+        self, mb: Batch, rows: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Per-token advantages with truncated importance weights on the rows another policy sampled; the
+        learner's own rows keep weight 1. Metrics are over the cross-policy tokens."""
+        weights = truncated_is_weight(old_logp, mb.behaviour_logp, self.is_cap)
+        weights = torch.where(rows[:, None] & (mb.loss_mask > 0), weights, torch.ones_like(weights))
+        per_token = advantages[:, None] if advantages.dim() == 1 else advantages
+        valid = (mb.loss_mask > 0) & rows[:, None]
+        w = weights[valid]
+        metrics = {"cross_policy/is_weight": float(w.mean()) if w.numel() else 1.0,
+                   "cross_policy/capped_frac": float((w >= self.is_cap).float().mean()) if w.numel() else 0.0}
+        return per_token * weights, metrics
 
     def _advantages(
         self,

@@ -30,6 +30,7 @@ from polyrl.train import faults
 from polyrl.train.agents import AgentFeatures
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.train.learner import Learner
+from polyrl.train.multitask import MultiTask
 from polyrl.train.teachers import load_teachers
 from polyrl.types import Trajectory
 
@@ -51,6 +52,7 @@ class Run:
     learner: Learner
     sampler: TaskSampler
     agents: AgentFeatures
+    multitask: MultiTask | None = None
 
 
 def build_run(config: Config, run_dir: Path) -> Run:
@@ -67,7 +69,10 @@ def build_run(config: Config, run_dir: Path) -> Run:
     )
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=config.train.seed)
     learner.replay_is_cap = config.agents.replay.is_cap
-    return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler, AgentFeatures(config))
+    if config.rollout.cross_policy is not None:
+        learner.is_cap = config.rollout.cross_policy.is_cap
+    return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler, AgentFeatures(config),
+               MultiTask(config, tasks, tokenizer))
 
 
 RolloutFn = Callable[[list[tuple[Task, int, dict[str, Any]]], int, int, int], list[Trajectory]]
@@ -111,12 +116,19 @@ def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: R
     version = step - 1 if version is None else version
     rollout_fn = rollout_fn or local_rollout(run)
 
+    mt = run.multitask
+
     def sample_round(round_index: int, n_prompts: int, first_id: int) -> list[Trajectory]:
+        mt.before_draw(run.sampler, step)  # curriculum: phase / adaptive mixture
         draws = run.agents.draw(run.sampler, step, n_prompts, round_index)
-        requests = [(run.tasks[d.task], d.index, run.tasks[d.task].train_item(d.index)) for d in draws]
+        tasks = [mt.task(d.task, run.tasks[d.task]) for d in draws]  # curriculum: difficulty level
+        requests = [(task, d.index, task.train_item(d.index)) for task, d in zip(tasks, draws, strict=True)]
         # Round 0 keeps the step's seed; extra dynamic-sampling rounds need fresh samples, so fresh seeds.
         seed = cfg.train.seed * 1_000_003 + step + round_index * 1_000_000_007
-        trajectories = rollout_fn(requests, seed, version, first_id)
+        # rollout.cross_policy: a share of the groups sampled by another policy's engine
+        trajectories = mt.rollout(rollout_fn, lambda eng, reqs, *a: run.agents.rollout(eng, reqs, cfg.rollout, *a),
+                                  requests, seed, version, first_id)
+        mt.after_rollout(trajectories, requests, first_id)  # weighted reward components (env, judge)
         run.agents.after_rollout(trajectories, step)  # success replay mixes into all-fail groups here
         return trajectories
 
@@ -124,6 +136,7 @@ def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: R
     groups = dynamic_sample(sample_round, cfg.rollout.prompts_per_step, algo.dynamic_sampling, algo.max_extra_rounds)
     t_rollout = time.perf_counter() - t0
     shaping = shape_rewards(groups.sampled, algo, cfg.rollout.max_new_tokens)
+    shaping.update(mt.observe(step, groups.sampled))  # curriculum levels, pass rates, mixture
     assign_advantages(groups.kept, algo)
     shaping.update(run.agents.after_advantages(groups.kept, groups.sampled))  # step credit, ARPO attribution
     return ScoredBatch(step, groups, shaping, t_rollout)
@@ -210,6 +223,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         run.learner.load_state_dict(optimizer_state)
         run.sampler.load_state_dict(state["sampler"])
         run.agents.load_state_dict(state.get("agents", {}))
+        run.multitask.load_state_dict(state.get("multitask", {}))
         start, train_time = state["step"], state["train_time_s"]
         log(f"resumed from {ckpt} (step {start})")
 
@@ -222,7 +236,8 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         save_checkpoint(
             run_dir, step, run.model, run.tokenizer,
             run.learner.state_dict(),
-            {"sampler": run.sampler.state_dict(), "agents": run.agents.state_dict(), "train_time_s": train_time},
+            {"sampler": run.sampler.state_dict(), "agents": run.agents.state_dict(),
+             "multitask": run.multitask.state_dict(), "train_time_s": train_time},
             keep=config.train.keep_checkpoints,
         )
 
