@@ -99,8 +99,7 @@ def test_spike_detector():
 def test_early_stop_marks_trajectories(engine):
     task = _task(engine.tokenizer)
     # A threshold below any fluctuation stops every rollout right after min_tokens.
-    stopper = EarlyStopper("surprise", 1.0, 1e-9, 2, terminal_reward=-0.5)
-    stopper.threshold = -1e9
+    stopper = EarlyStopper("surprise", 1.0, -1e9, 2, terminal_reward=-0.5)
     trajs = rollout(engine, [(task, 0, task.train_item(0))], 4, 24, 1.0, 1.0, seed=0, version=0, stopper=stopper)
     for t in trajs:
         assert t.terminated_early and t.reward == -0.5 and t.num_model_tokens == 3
