@@ -160,3 +160,15 @@ def test_reward_component_kind_is_checked():
     with pytest.raises(ConfigError, match="tasks.0.reward_components.0.kind"):
         load_config(None, data=data)
 
+
+
+def test_multitask_example_config_builds_every_domain():
+    from polyrl.data.curriculum import Curriculum
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "multitask.yaml",
+                      ["model.name=tiny-random", "tasks.2.reward_components.1.model=tiny-random"])
+    tasks = {t.name: make_task(t, cfg.train.seed) for t in cfg.tasks}
+    assert [tasks[n].config.env for n in tasks] == [None, "humaneval", "instruct"]
+    cur = Curriculum(cfg.curriculum, cfg.tasks, lambda c: make_task(c, cfg.train.seed))
+    harder = cur.level_tasks["chain_sum"][1].train_item(0)["metadata"]
+    assert harder["num_terms"] == 3  # level 2's params reach the dataset
