@@ -492,6 +492,8 @@ class Config(_Strict):
             from polyrl.data.curriculum import check_curriculum
 
             check_curriculum(self.curriculum, self.tasks)
+            if self.runtime.kind != "local":  # its state lives where rollouts are drawn, not in checkpoints yet
+                raise ValueError(f"curriculum: needs runtime.kind: local (got {self.runtime.kind})")
         algo, rollout = self.algorithm, self.rollout
         if algo.overlong_buffer > rollout.max_new_tokens:
             raise ValueError(

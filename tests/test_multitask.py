@@ -224,3 +224,11 @@ def test_curriculum_in_a_run_logs_levels_and_resumes(tmp_path):
     resumed = [json.loads(line) for line in (part / "metrics.jsonl").read_text().splitlines()]
     keys = [k for k in rows[-1] if k.startswith(("curriculum/", "task_ratio/", "reward/"))]
     assert {k: resumed[-1][k] for k in keys} == {k: rows[-1][k] for k in keys}
+
+
+def test_curriculum_needs_the_local_runtime():
+    data = yaml.safe_load(SMOKE.read_text())
+    data["curriculum"] = {"adaptive": True}
+    data["runtime"] = {"kind": "async"}
+    with pytest.raises(ConfigError, match="curriculum: needs runtime.kind: local"):
+        load_config(None, data=data)
