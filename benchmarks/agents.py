@@ -4,6 +4,7 @@ each run alone and merge their numbers into benchmarks/results/agents.json:
     python benchmarks/agents.py a --minutes 8     # GRPO on tool_math: valid-tool-call rate, accuracy before/after
     python benchmarks/agents.py b --steps 8       # ARPO vs GRPO, same samples per step and same steps
     python benchmarks/agents.py c --steps 8       # success + prompt replay on vs off
+    python benchmarks/agents.py b --set tasks.0.params.dataset_params.max_digits=1 ...   # any override, all arms
     python benchmarks/agents.py a --config configs/smoke.yaml --minutes 0.1 --eval 4 --out /tmp/agents.json
 
 Training runs in this process (``build_run`` + ``rl_step``); evaluation is greedy on held-out items with the
@@ -106,15 +107,17 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1_000_000, help="step count per arm (b, c: equal budgets)")
     p.add_argument("--eval", type=int, default=50, help="held-out items")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "agents.json")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, every arm")
     args = p.parse_args()
     if args.part == "a":
         print("a: GRPO on tool_math", flush=True)
-        result = _train(args.config, [], args.eval, args.steps, args.minutes, before=True)
+        result = _train(args.config, args.set, args.eval, args.steps, args.minutes, before=True)
     else:
         result = {}
         for name, overrides in ARMS[args.part].items():
             print(f"{args.part}: {name}", flush=True)
-            result[name] = _train(args.config, overrides, args.eval, args.steps, args.minutes, before=False)
+            result[name] = _train(args.config, args.set + overrides, args.eval, args.steps, args.minutes,
+                                  before=False)
     _save(args.out, args.part, {"config": str(args.config.relative_to(ROOT) if args.config.is_absolute()
                                               else args.config), "args": vars(args) | {
         "config": str(args.config), "out": str(args.out)}, "result": result})
