@@ -1,0 +1,115 @@
+"""Peak memory of the quickstart run with LoRA, and what holds it.
+
+Part 1 runs ``polyrl train configs/quickstart.yaml`` with LoRA (r 16, alpha 32) as a child process, shortened
+to a few steps and one evaluation batch (the peak is reached within the first step and the first evaluation
+batch, whose size is the same as in the full run), and samples its resident set size (RSS) every 0.1 s; the
+peak is also read from the kernel's own high-water mark (ru_maxrss). Part 2 builds the same run in this process,
+does one step and adds up the bytes of each tensor holder: policy weights, the engine's bf16 sampling copy,
+gradients and optimizer states. Results: benchmarks/results/memory.json.
+
+    python benchmarks/memory.py                   # ~3 min on 2 idle cores
+    python benchmarks/memory.py --steps 2 --no-breakdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+LORA = "model.lora={r: 16, alpha: 32}"
+
+
+def overrides(steps: int, eval_size: int) -> list[str]:
+    return [LORA, f"train.steps={steps}", f"tasks.0.eval_size={eval_size}", "logging.progress=false",
+            "logging.report=false", "logging.tensorboard=false"]
+
+
+def peak_rss_of_run(steps: int, eval_size: int) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "polyrl", "train", str(ROOT / "configs" / "quickstart.yaml"),
+               *overrides(steps, eval_size), "--output", out]
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        ps, samples = psutil.Process(proc.pid), []
+        while proc.poll() is None:
+            try:
+                samples.append((time.perf_counter() - start, ps.memory_info().rss))
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.1)
+        err = proc.stderr.read()
+        if proc.returncode:
+            raise SystemExit(f"quickstart run failed ({proc.returncode}): {err[-2000:]}")
+    # ru_maxrss is in KiB on Linux; this process has only that one child.
+    kernel_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {
+        "command": " ".join(cmd[1:]), "seconds": time.perf_counter() - start,
+        "peak_rss_gb": kernel_peak / 1e9, "peak_rss_sampled_gb": max(r for _, r in samples) / 1e9,
+        "rss_timeline_gb": [(round(t, 1), round(r / 1e9, 3)) for t, r in samples[:: max(1, len(samples) // 200)]],
+    }
+
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def breakdown(steps: int, eval_size: int) -> dict:
+    """Bytes held by each part of a quickstart+LoRA run after one step, and the RSS around it."""
+    import torch
+
+    from polyrl.config import load_config
+    from polyrl.train.loop import build_run, rl_step
+
+    config = load_config(ROOT / "configs" / "quickstart.yaml", overrides(steps, eval_size))
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss
+    with tempfile.TemporaryDirectory() as out:
+        run = build_run(config, Path(out))
+        rss_built = proc.memory_info().rss
+        rl_step(run, 1)
+    rss_step = proc.memory_info().rss
+    engine, learner = run.engine, run.learner
+    opt_states = [v for s in learner.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    held = {
+        "policy_weights": tensor_bytes(run.model.parameters()),
+        "trainable_weights": tensor_bytes(learner.params),
+        "gradients": tensor_bytes(p.grad for p in learner.params),
+        "optimizer_states": tensor_bytes(opt_states),
+        "engine_bf16_copy": tensor_bytes(engine.model.parameters()) if engine.model is not run.model else 0,
+        "engine_float32_head": tensor_bytes([engine.head_weight]),
+    }
+    return {
+        "held_gb": {k: v / 1e9 for k, v in held.items()},
+        "rss_python_and_libraries_gb": rss0 / 1e9,
+        "rss_after_build_gb": rss_built / 1e9,
+        "rss_after_one_step_gb": rss_step / 1e9,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--eval-size", type=int, default=64, help="one evaluation batch (eval.batch_size is 64)")
+    ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory.json")
+    args = ap.parse_args()
+    result = {"run": peak_rss_of_run(args.steps, args.eval_size)}
+    print(f"peak RSS {result['run']['peak_rss_gb']:.2f} GB ({result['run']['seconds']:.0f} s)", flush=True)
+    if not args.no_breakdown:
+        result["breakdown"] = breakdown(args.steps, args.eval_size)
+        print(json.dumps(result["breakdown"], indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""This machine's roofline and polyrl's rollout and training throughput on SmolLM2-135M as a fraction of it.
+
+The roofline is measured in the same process right before each throughput measurement (matmul GFLOP/s in
+float32 and bfloat16, memory read bandwidth), so the fraction stays meaningful on a machine whose speed
+varies, e.g. one shared with other jobs. Every figure is the median of ``--repeats`` runs.
+
+    python benchmarks/roofline.py                              # SmolLM2-135M, ~3 min; writes the JSON below
+    python benchmarks/roofline.py --model tiny-random --repeats 1 --out /tmp/r.json   # a check of the script
+
+Bounds, per token of SmolLM2 (N = 134.5M parameters with the tied head counted once):
+  rollout: 2N FLOPs per generated token (compute bound) and, per decode step, the bytes of the sampling copy
+    (bf16 body + float32 head) read once for the whole batch (memory bound); the attainable rate is the lower.
+  training: 6N FLOPs per token (forward + backward) at the bf16 matmul rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "What is 3 + 4? Answer with just the number."
+
+
+def median_time(fn: Callable[[], object], repeats: int, min_s: float = 0.0, warmup: bool = True) -> float:
+    """Median seconds of one call of ``fn`` over ``repeats`` timings (each loops until ``min_s`` has passed)."""
+    if warmup:
+        fn()  # allocator, oneDNN kernel selection
+    times = []
+    for _ in range(repeats):
+        calls, start = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            if time.perf_counter() - start >= min_s:
+                break
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
+def measure_roofline(repeats: int = 5) -> dict[str, float]:
+    """Peak-ish matmul GFLOP/s (float32, bfloat16) and memory read bandwidth (GB/s) of this machine, now."""
+    out = {}
+    m = k = n = 1024
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        out[f"matmul_gflops_{name}"] = 2 * m * k * n / median_time(lambda a=a, b=b: a @ b, repeats, 0.2) / 1e9
+    x = torch.ones(128 * 2**20 // 4)  # 128 MiB: far larger than the caches, like a decode step's weights
+    out["mem_read_gbs"] = x.numel() * 4 / median_time(x.sum, repeats, 0.2) / 1e9
+    return out
+
+
+def model_numbers(model) -> dict[str, float]:
+    """Parameter count (tied head once) and the bytes one decode step reads from the engine's sampling copy."""
+    params = sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings().weight.numel()
+    # bf16 copy of everything but the head, which the engine keeps in float32 (embedding lookups are negligible)
+    step_bytes = 2 * (params - head) + 4 * head
+    return {"params": params, "decode_step_bytes": step_bytes}
+
+
+def prompt_ids(tokenizer) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])
+
+
+def measure_rollout(engine, prompt: list[int], prompts: int, group: int, new_tokens: int, repeats: int) -> float:
+    """Generated tokens per second for ``prompts`` x ``group`` samples of exactly ``new_tokens`` tokens each."""
+    stop_ids, engine.stop_ids = engine.stop_ids, set()  # fixed length: every row decodes every step
+    try:
+        seconds = median_time(
+            lambda: engine.generate([prompt] * prompts, n=group, max_new_tokens=new_tokens, seed=0), repeats,
+            warmup=False,  # rollout_trajectories ran the same generation just before
+        )
+    finally:
+        engine.stop_ids = stop_ids
+    return prompts * group * new_tokens / seconds
+
+
+def rollout_trajectories(engine, prompt: list[int], prompts: int, group: int, new_tokens: int) -> list:
+    """Scored-looking trajectories from real samples, with random advantages so every token has a gradient."""
+    from polyrl.types import Trajectory
+
+    stop_ids, engine.stop_ids = engine.stop_ids, set()
+    try:
+        groups = engine.generate([prompt] * prompts, n=group, max_new_tokens=new_tokens, seed=0)
+    finally:
+        engine.stop_ids = stop_ids
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for g, comps in enumerate(groups):
+        for c in comps:
+            ids = prompt + c.token_ids
+            out.append(Trajectory(
+                task="bench", item_id=g, group_id=g, input_ids=ids,
+                loss_mask=[0] * len(prompt) + [1] * len(c.token_ids),
+                logprobs=[0.0] * len(prompt) + c.logprobs, versions=[0] * len(ids),
+                advantage=float(torch.randn((), generator=gen)),
+            ))
+    return out
+
+
+def measure_training(learner, trajectories: list, repeats: int) -> float:
+    """Tokens (prompt + response) per second of ``Learner.update``, the figure the loop logs as train/tokens_per_s."""
+    tokens = sum(len(t.input_ids) for t in trajectories)
+    return tokens / median_time(lambda: learner.update(trajectories), repeats, warmup=False)
+
+
+def build(model_name: str, micro_batch: int, total_steps: int = 1000):
+    from polyrl.config import AlgorithmConfig, OptimConfig
+    from polyrl.engines.hf import HFEngine
+    from polyrl.models.loading import load_model, load_tokenizer
+    from polyrl.train.learner import Learner
+
+    tokenizer = load_tokenizer(model_name)
+    model = load_model(model_name, None, seed=0)
+    engine = HFEngine(model, tokenizer, bf16=True, bf16_weights=True)
+    # The quickstart's objective; a tiny learning rate keeps the weights (and so the samples) nearly fixed.
+    learner = Learner(
+        model, AlgorithmConfig(track_kl=False), OptimConfig(lr=1e-9, micro_batch_size=micro_batch),
+        temperature=1.0, bf16=True, pad_id=engine.pad_id, total_steps=total_steps,
+    )
+    return model, tokenizer, engine, learner
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "roofline.json")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    model, tokenizer, engine, learner = build(args.model, args.micro_batch)
+    sizes = model_numbers(model)
+    prompt = prompt_ids(tokenizer)
+    batch = args.prompts * args.group
+
+    trajectories = rollout_trajectories(engine, prompt, args.prompts, args.group, args.new_tokens)
+    roof_r = measure_roofline()
+    rollout = measure_rollout(engine, prompt, args.prompts, args.group, args.new_tokens, args.repeats)
+    compute_bound = roof_r["matmul_gflops_bf16"] * 1e9 / (2 * sizes["params"])
+    memory_bound = batch * roof_r["mem_read_gbs"] * 1e9 / sizes["decode_step_bytes"]
+    print(f"roofline {roof_r}; rollout {rollout:.1f} tok/s, bounds: compute {compute_bound:.0f}, "
+          f"memory {memory_bound:.0f}", flush=True)  # shown early: the training half takes longer
+
+    learner.update(trajectories)  # warm-up: optimizer states, allocator
+    roof_t = measure_roofline()
+    training = measure_training(learner, trajectories, args.repeats)
+    train_bound = roof_t["matmul_gflops_bf16"] * 1e9 / (6 * sizes["params"])
+
+    result = {
+        "model": args.model, **sizes, "threads": torch.get_num_threads(), "machine": platform.processor()
+        or platform.machine(), "setup": {k: v for k, v in vars(args).items() if k != "out"},
+        "roofline_before_rollout": roof_r, "roofline_before_training": roof_t,
+        "rollout": {
+            "tokens_per_s": rollout, "compute_bound_tokens_per_s": compute_bound,
+            "memory_bound_tokens_per_s": memory_bound,
+            "fraction_of_compute_bound": rollout / compute_bound,
+            "fraction_of_attainable": rollout / min(compute_bound, memory_bound),
+        },
+        "training": {
+            "tokens_per_s": training, "bound_tokens_per_s": train_bound, "fraction_of_bound": training / train_bound,
+            "tokens_per_update": sum(len(t.input_ids) for t in trajectories),
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    r, t = result["rollout"], result["training"]
+    print(f"roofline: {roof_r['matmul_gflops_fp32']:.0f} GFLOP/s fp32, {roof_r['matmul_gflops_bf16']:.0f} bf16, "
+          f"{roof_r['mem_read_gbs']:.1f} GB/s")
+    print(f"rollout: {rollout:.1f} tok/s = {r['fraction_of_compute_bound']:.0%} of the bf16 compute bound "
+          f"({compute_bound:.0f}), {r['fraction_of_attainable']:.0%} of the attainable "
+          f"{min(compute_bound, memory_bound):.0f}")
+    print(f"training: {training:.1f} tok/s = {t['fraction_of_bound']:.0%} of the bf16 bound ({train_bound:.0f})")
+
+
+if __name__ == "__main__":
+    main()
