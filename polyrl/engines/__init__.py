@@ -1,0 +1,48 @@
+"""Generation engines behind one interface: ``generate(prompts, n, max_new_tokens, temperature, top_p, seed)``
+returning per-prompt groups of ``Completion`` (token ids as sampled, behaviour log-probs, finished flag), and
+``sync()`` after each learner update. ``make_engine`` picks one from ``engine.kind``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from polyrl.engines.hf import HFEngine
+
+if TYPE_CHECKING:  # the engines package stays importable without the config module's imports
+    from polyrl.config import Config
+
+VLLM_INSTALL_HINT = (
+    "engine.kind is 'vllm' but vllm is not installed: in a separate virtual environment run "
+    "pip install torch==2.13.0 && pip install 'polyrl[vllm]' (from a checkout: -e '.[vllm]'), "
+    "then pip uninstall -y torchvision torchaudio torchcodec (docs/systems.md)"
+)
+
+
+class EngineUnavailableError(RuntimeError):
+    """The configured engine cannot run in this environment."""
+
+
+def make_engine(config: Config, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Any:
+    """The engine ``config.engine.kind`` names, sampling from ``policy``; with ``engine.recompute_logprobs``
+    its behaviour log-probs are replaced by the policy's own."""
+    cfg = config.engine
+    if cfg.kind == "vllm":
+        try:
+            import vllm  # noqa: F401  (checked here so the error names the fix, not a deep import)
+        except ImportError:
+            raise EngineUnavailableError(VLLM_INSTALL_HINT) from None
+        from polyrl.engines.vllm import VLLMEngine
+
+        engine: Any = VLLMEngine(
+            policy, tokenizer, config.model.name, cfg.vllm, lora_rank=config.model.lora.r if config.model.lora else 0,
+            seed=config.train.seed,
+        )
+    else:
+        engine = HFEngine(policy, tokenizer, bf16=config.model.bf16, bf16_weights=cfg.bf16_weights)
+    if cfg.recompute_logprobs:
+        from polyrl.engines.recompute import RecomputeLogprobs
+
+        engine = RecomputeLogprobs(engine, policy, bf16=config.model.bf16)
+    return engine

@@ -18,6 +18,7 @@ from polyrl.algorithms.shaping import assign_advantages, shape_rewards
 from polyrl.config import Config, dump_config
 from polyrl.data.dynamic_sampling import Sampled, dynamic_sample
 from polyrl.data.sampler import TaskSampler
+from polyrl.engines import make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import Task, make_task
 from polyrl.models.loading import load_model, load_tokenizer
@@ -62,7 +63,7 @@ def build_run(config: Config, run_dir: Path) -> Run:
     tasks = {
         t.name: make_task(t, config.train.seed, config.model.system_prompt, tokenizer) for t in config.tasks
     }
-    engine = HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=config.engine.bf16_weights)
+    engine = make_engine(config, model, tokenizer)  # engine.kind: hf, or vllm (optional extra)
     learner = Learner(
         model, config.algorithm, config.optim, config.rollout.temperature, config.model.bf16, engine.pad_id,
         total_steps=config.train.steps, teachers=load_teachers(config, model),
