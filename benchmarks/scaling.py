@@ -102,20 +102,26 @@ def main() -> None:
             results["group"].append(time_step(engine, learner, prompt, args.prompts, g, args.group_tokens,
                                               args.repeats))
             print(results["group"][-1], flush=True)
+            save(results, args.out)  # after every point: a run cut short keeps what it measured
     if args.sweep in ("tokens", "both"):
         results["tokens"] = []
         for t in args.tokens:
             results["tokens"].append(time_step(engine, learner, prompt, args.prompts, args.tokens_group, t,
                                                args.repeats))
             print(results["tokens"][-1], flush=True)
+            save(results, args.out)
     for key, x in (("group", "group"), ("tokens", "new_tokens")):
         if results.get(key):
             ys = ("rollout_s", "update_s", "step_s")
             results[f"{key}_slopes"] = {y: loglog_slope(results[key], x, y) for y in ys}
             print(key, results[f"{key}_slopes"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    save(results, args.out)
     plot(results, args.png)
+
+
+def save(results: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
 
 
 if __name__ == "__main__":
