@@ -38,6 +38,21 @@ def test_preallocated_cache_matches_dynamic_cache(parts, bf16_weights, temperatu
         assert len(lengths) > 1, "no row finished early: the row-dropping path was not exercised"
 
 
+def test_preallocated_layer_grows_and_matches_concatenation():
+    from polyrl.engines.kv_cache import PreallocatedLayer
+
+    gen = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(3, 2, 4, 5, generator=gen), torch.randn(3, 2, 4, 5, generator=gen)
+    layer, keys, values = PreallocatedLayer(k0, v0, capacity=5), k0, v0
+    for _ in range(9):  # capacity 5 -> 10 -> 20
+        k, v = torch.randn(3, 2, 1, 5, generator=gen), torch.randn(3, 2, 1, 5, generator=gen)
+        got_k, got_v = layer.update(k, v)
+        keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+        assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+    layer.batch_select_indices(torch.tensor([2, 0]))
+    assert torch.equal(layer.keys, keys[[2, 0]]) and layer.get_seq_length() == 13
+
+
 def test_inverse_cdf_picks_the_bucket_of_u():
     w = torch.tensor([[0.1, 0.0, 0.3, 0.6]])
     cases = {0.0: 0, 0.099: 0, 0.1: 2, 0.39: 2, 0.4: 3, 0.999999: 3}

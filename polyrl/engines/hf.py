@@ -169,7 +169,7 @@ class HFEngine:
 
         logits, cache = self._last_logits(input_ids, mask, positions, None)
         if self.preallocate_cache:
-            cache = preallocate(cache, width + max_new_tokens)
+            cache = preallocate(cache, width + min(max_new_tokens, 128))  # grows by doubling if answers run longer
         if n > 1:
             # One prefill per prompt; its KV cache is shared by the group's samples.
             cache.batch_repeat_interleave(n)

@@ -1,9 +1,10 @@
-"""A KV cache preallocated to the generation's final length.
+"""A KV cache written into preallocated buffers.
 
 transformers' ``DynamicCache`` appends each decoded token with ``torch.cat``, which copies the whole cache of
 every layer at every step: O(T) bytes per token, O(T^2) per completion. Here each layer writes the new key and
-value into a buffer sized once for prompt + max_new_tokens and hands attention views of the filled part, so a
-step copies only the new token. Attention reads exactly the same keys and values as with the dynamic cache.
+value into a buffer and hands attention views of the filled part, so a step copies only the new token. A full
+buffer doubles (amortised O(1) per token), so memory follows the length actually reached rather than
+max_new_tokens. Attention reads exactly the same keys and values as with the dynamic cache.
 """
 
 from __future__ import annotations
@@ -35,12 +36,19 @@ class PreallocatedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         end = self.length + key_states.shape[-2]
         if end > self.key_buf.shape[2]:
-            raise RuntimeError(f"KV cache capacity {self.key_buf.shape[2]} exceeded (needs {end})")
+            self._grow(max(end, 2 * self.key_buf.shape[2]))
         self.key_buf[:, :, self.length : end] = key_states
         self.value_buf[:, :, self.length : end] = value_states
         self.length = end
         self._expose()
         return self.keys, self.values
+
+    def _grow(self, capacity: int) -> None:
+        for name in ("key_buf", "value_buf"):
+            old = getattr(self, name)
+            new = old.new_empty((*old.shape[:2], capacity, old.shape[-1]))
+            new[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, new)
 
     def get_seq_length(self) -> int:
         return self.length
@@ -57,6 +65,6 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def preallocate(cache: DynamicCache, capacity: int) -> DynamicCache:
-    """Move a filled dynamic cache (e.g. after prefill) into buffers that hold ``capacity`` positions."""
+    """Move a filled dynamic cache (e.g. after prefill) into buffers that first hold ``capacity`` positions."""
     cache.layers = [PreallocatedLayer(layer.keys, layer.values, capacity) for layer in cache.layers]
     return cache
