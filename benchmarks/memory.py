@@ -1,11 +1,11 @@
 """Peak memory of the quickstart run with LoRA, and what holds it.
 
 Part 1 runs ``polyrl train configs/quickstart.yaml`` with LoRA (r 16, alpha 32) as a child process, shortened
-to a few steps and one evaluation batch (the peak is reached within the first step and the first evaluation
-batch, whose size is the same as in the full run), and samples its resident set size (RSS) every 0.1 s; the
-peak is also read from the kernel's own high-water mark (ru_maxrss). Part 2 builds the same run in this process,
-does one step and adds up the bytes of each tensor holder: policy weights, the engine's bf16 sampling copy,
-gradients and optimizer states. Results: benchmarks/results/memory.json.
+to a few steps and one evaluation batch after training (the peak is reached within the first step and the
+first evaluation batch, whose size is the same as in the full run), and samples its resident set size (RSS)
+every 0.1 s; the peak is also read from the kernel's own high-water mark (ru_maxrss). Part 2 builds the same
+run in this process, does one step and adds up the bytes of each tensor holder: policy weights, the engine's
+bf16 sampling copy, gradients and optimizer states. Results: benchmarks/results/memory.json.
 
     python benchmarks/memory.py                   # ~3 min on 2 idle cores
     python benchmarks/memory.py --steps 2 --no-breakdown
@@ -29,8 +29,9 @@ LORA = "model.lora={r: 16, alpha: 32}"
 
 
 def overrides(steps: int, eval_size: int) -> list[str]:
-    return [LORA, f"train.steps={steps}", f"tasks.0.eval_size={eval_size}", "logging.progress=false",
-            "logging.report=false", "logging.tensorboard=false"]
+    # Only the evaluation after training: it holds everything the one before does, plus the optimizer state.
+    return [LORA, f"train.steps={steps}", f"tasks.0.eval_size={eval_size}", "eval.before=false",
+            "logging.progress=false", "logging.report=false", "logging.tensorboard=false"]
 
 
 def peak_rss_of_run(steps: int, eval_size: int) -> dict:
@@ -97,7 +98,7 @@ def breakdown(steps: int, eval_size: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--eval-size", type=int, default=64, help="one evaluation batch (eval.batch_size is 64)")
     ap.add_argument("--no-breakdown", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory.json")

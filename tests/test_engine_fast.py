@@ -53,6 +53,20 @@ def test_preallocated_layer_grows_and_matches_concatenation():
     assert torch.equal(layer.keys, keys[[2, 0]]) and layer.get_seq_length() == 13
 
 
+def test_bf16_copy_equals_deepcopy_then_cast(parts):
+    import copy
+
+    from polyrl.engines.hf import bf16_copy
+
+    model, _ = parts
+    ours, ref = bf16_copy(model), copy.deepcopy(model).to(torch.bfloat16)
+    a, b = ours.state_dict(), ref.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    assert ours.get_output_embeddings().weight is ours.get_input_embeddings().weight  # still tied
+    assert not any(p.requires_grad for p in ours.parameters())
+    assert next(model.parameters()).dtype == torch.float32  # the policy itself is untouched
+
+
 def test_inverse_cdf_picks_the_bucket_of_u():
     w = torch.tensor([[0.1, 0.0, 0.3, 0.6]])
     cases = {0.0: 0, 0.099: 0, 0.1: 2, 0.39: 2, 0.4: 3, 0.999999: 3}

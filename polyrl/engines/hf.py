@@ -82,6 +82,19 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, last: torch.Tensor | int
     return torch.minimum(idx, torch.as_tensor(last))
 
 
+def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of ``model`` with floating-point tensors in bfloat16, the same as
+    ``deepcopy(model).to(torch.bfloat16)`` but without first duplicating the float32 weights (which would raise
+    the process's peak memory by a full model): deepcopy takes each tensor from a memo filled with its bf16 copy.
+    Tied weights stay tied (one memo entry per tensor)."""
+    memo: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False)
+    for b in model.buffers():
+        memo[id(b)] = b.to(torch.bfloat16) if b.is_floating_point() else b.clone()
+    return copy.deepcopy(model, memo).eval().requires_grad_(False)
+
+
 class HFEngine:
     """Samples from ``policy``.
 
@@ -107,7 +120,7 @@ class HFEngine:
         self.stop_ids = {tokenizer.eos_token_id}
         self.head_weight: torch.Tensor | None = None
         if bf16_weights:
-            self.model = copy.deepcopy(policy).to(torch.bfloat16).eval().requires_grad_(False)
+            self.model = bf16_copy(policy)
             self.head_weight = policy.get_output_embeddings().weight.detach().clone()
             self.bf16 = False  # weights are already bf16; autocast would only add casts
         else:
