@@ -1,6 +1,8 @@
 """Agent features on SmolLM2-135M-Instruct with the calculate tool (configs/tool_math.yaml), three parts that
 each run alone and merge their numbers into benchmarks/results/agents.json:
 
+    python benchmarks/agents.py sft --config configs/tool_math_bootstrap.yaml --steps 6   # tool-call warm start
+    python benchmarks/agents.py a --set model.name=/tmp/polyrl-agents-sft/checkpoints/step-6   # RL from it
     python benchmarks/agents.py a --minutes 8     # GRPO on tool_math: valid-tool-call rate, accuracy before/after
     python benchmarks/agents.py b --steps 8       # ARPO vs GRPO, same samples per step and same steps
     python benchmarks/agents.py c --steps 8       # success + prompt replay on vs off
@@ -91,6 +93,25 @@ def _train(path: Path, overrides: list[str], eval_n: int, steps: int, minutes: f
     return out
 
 
+def _sft(path: Path, overrides: list[str], eval_n: int, steps: int, ckpt_dir: Path) -> dict:
+    """The tool-call warm start: ``steps`` SFT steps on the env's demonstrations into ``ckpt_dir``; eval after
+    (the RL parts start from ``ckpt_dir/checkpoints/step-N`` with ``--set model.name=...``)."""
+    from polyrl.train.checkpoint import latest_checkpoint
+    from polyrl.train.loop import build_run
+    from polyrl.train.sft import train_sft
+
+    cfg = _config(path, overrides, eval_n, steps, 1e9)
+    t0 = time.perf_counter()
+    summary = train_sft(cfg, ckpt_dir)
+    out: dict[str, Any] = {"overrides": overrides, "sft": summary, "wall_s": time.perf_counter() - t0}
+    ckpt = latest_checkpoint(ckpt_dir)
+    out["checkpoint"] = str(ckpt)
+    after = _config(path, overrides + [f"model.name={ckpt}"], eval_n, steps, 1e9)
+    with tempfile.TemporaryDirectory() as tmp:
+        out["after"] = _evaluate(build_run(after, Path(tmp)))
+    return out
+
+
 def _save(path: Path, part: str, data: dict) -> None:
     results = json.loads(path.read_text()) if path.exists() else {}
     results[part] = {**data, "machine": platform.processor() or platform.machine(),
@@ -101,15 +122,20 @@ def _save(path: Path, part: str, data: dict) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("part", choices=["a", "b", "c"])
+    p.add_argument("part", choices=["sft", "a", "b", "c"])
     p.add_argument("--config", type=Path, default=ROOT / "configs" / "tool_math.yaml")
     p.add_argument("--minutes", type=float, default=8.0, help="training-time cap per arm")
     p.add_argument("--steps", type=int, default=1_000_000, help="step count per arm (b, c: equal budgets)")
     p.add_argument("--eval", type=int, default=50, help="held-out items")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "agents.json")
+    p.add_argument("--ckpt-dir", type=Path, default=Path(tempfile.gettempdir()) / "polyrl-agents-sft",
+                   help="sft: where the warm-start checkpoint goes")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, every arm")
     args = p.parse_args()
-    if args.part == "a":
+    if args.part == "sft":
+        print("sft: tool-call warm start", flush=True)
+        result = _sft(args.config, args.set, args.eval, args.steps, args.ckpt_dir)
+    elif args.part == "a":
         print("a: GRPO on tool_math", flush=True)
         result = _train(args.config, args.set, args.eval, args.steps, args.minutes, before=True)
     else:
@@ -120,7 +146,7 @@ def main() -> None:
                                   before=False)
     _save(args.out, args.part, {"config": str(args.config.relative_to(ROOT) if args.config.is_absolute()
                                               else args.config), "args": vars(args) | {
-        "config": str(args.config), "out": str(args.out)}, "result": result})
+        "config": str(args.config), "out": str(args.out), "ckpt_dir": str(args.ckpt_dir)}, "result": result})
     print(json.dumps(result, indent=2, default=str)[:3000])
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from polyrl.envs.base import Env, Message, Task, TaskContext, register_env
 from polyrl.envs.reasoning_gym import ReasoningGymTask, check_task_name, extract_answer, score_answer
-from polyrl.envs.tool_parsers import ToolParser
+from polyrl.envs.tool_parsers import ToolCall, ToolParser
 from polyrl.envs.tools import ToolEnv
 
 if TYPE_CHECKING:  # type-only: config validates task names through this package
@@ -138,6 +138,16 @@ class ToolMathEnv(ToolEnv):
 
     def score(self, answer: str) -> float:
         return score_answer(self.task.train, self.item, extract_answer(self.task.config, answer))
+
+    def demonstration(self, item: dict[str, Any]) -> list[str] | None:
+        """The assistant replies of a solved episode, for SFT warm starts (``polyrl.train.demonstrations``):
+        one calculate call on the item's expression in this env's tool-call format, then the result alone.
+        None when the item carries no expression (reasoning-gym puts it in ``metadata.expression``)."""
+        expression = item.get("metadata", {}).get("expression")
+        if not isinstance(expression, str):
+            return None
+        call = self.tool_parser.format_calls([ToolCall("calculate", {"expression": expression})])
+        return [call, calculate(expression)]
 
 
 class ToolMathParams(BaseModel):

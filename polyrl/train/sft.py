@@ -1,10 +1,11 @@
 """Supervised fine-tuning on gold answers: the ``sft`` stage of a pipeline.
 
-Each item's prompt is rendered exactly as a rollout renders it (the env's opening messages, the model's chat
-template, the generation prompt); the gold answer follows as the assistant's turn, up to and including the
-model's stop token. The loss is the mean negative log-likelihood of those assistant tokens only. Steps,
-checkpoints and resume work as in the RL loop (same checkpoint layout, same sampler), so a pipeline treats
-both alike.
+An env with a ``demonstration`` method (tool_math) is trained on its multi-turn demonstration instead, loss
+on the assistant turns only (``polyrl.train.demonstrations``). Otherwise each item's prompt is rendered
+exactly as a rollout renders it (the env's opening messages, the model's chat template, the generation
+prompt); the gold answer follows as the assistant's turn, up to and including the model's stop token. The loss
+is the mean negative log-likelihood of those assistant tokens only. Steps, checkpoints and resume work as in
+the RL loop (same checkpoint layout, same sampler), so a pipeline treats both alike.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from polyrl.observe.metrics import open_metrics_logger
 from polyrl.rollout.render import ChatRenderer
 from polyrl.train import faults
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
+from polyrl.train.demonstrations import demonstration_example
 from polyrl.train.learner import collate, lr_factor, token_logprobs
 from polyrl.types import Trajectory
 
@@ -53,6 +55,12 @@ def sft_example(task: Task, index: int, item: dict[str, Any], tokenizer) -> Traj
         versions=[-1] * len(ids), turn_spans=[(len(prompt_ids), len(ids))], text=str(answer),
         rewards={}, reward=0.0,
     )
+
+
+def training_example(task: Task, index: int, item: dict[str, Any], tokenizer) -> Trajectory:
+    """The env's own multi-turn demonstration when it gives one (tool-call traces,
+    ``polyrl.train.demonstrations``), else the gold answer as a single assistant turn."""
+    return demonstration_example(task, index, item, tokenizer) or sft_example(task, index, item, tokenizer)
 
 
 def sft_loss(model, batch, bf16: bool, num_tokens: float) -> torch.Tensor:
@@ -109,7 +117,7 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
             t0 = time.perf_counter()
             faults.point("sft", step)
             draws = sampler.draw(step, n)
-            examples = [sft_example(tasks[d.task], d.index, tasks[d.task].train_item(d.index), tokenizer)
+            examples = [training_example(tasks[d.task], d.index, tasks[d.task].train_item(d.index), tokenizer)
                         for d in draws]
             examples.sort(key=lambda t: len(t.input_ids) - t.prompt_len)
             batch = collate(examples, pad_id)
