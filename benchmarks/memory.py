@@ -28,10 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 LORA = "model.lora={r: 16, alpha: 32}"
 
 
+EXTRA: list[str] = []  # --set: further overrides, e.g. a smaller optim.micro_batch_size
+
+
 def overrides(steps: int, eval_size: int) -> list[str]:
     # Only the evaluation after training: it holds everything the one before does, plus the optimizer state.
     return [LORA, f"train.steps={steps}", f"tasks.0.eval_size={eval_size}", "eval.before=false",
-            "logging.progress=false", "logging.report=false", "logging.tensorboard=false"]
+            "logging.progress=false", "logging.report=false", "logging.tensorboard=false", *EXTRA]
 
 
 def peak_rss_of_run(steps: int, eval_size: int) -> dict:
@@ -101,8 +104,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--eval-size", type=int, default=64, help="one evaluation batch (eval.batch_size is 64)")
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--set", nargs="*", default=[], help="extra dotted overrides of the quickstart config")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory.json")
     args = ap.parse_args()
+    EXTRA.extend(args.set)
     result = {"run": peak_rss_of_run(args.steps, args.eval_size)}
     print(f"peak RSS {result['run']['peak_rss_gb']:.2f} GB ({result['run']['seconds']:.0f} s)", flush=True)
     if not args.no_breakdown:
