@@ -10,7 +10,10 @@ samples, on SmolLM2-135M-Instruct over reasoning-gym tasks the model partly solv
 Every run starts from the same weights and seed; held-out accuracy is greedy on the same items. Results go to
 benchmarks/results/multitask.json and a table in docs/multidomain.md (between the multitask markers).
 
-    python benchmarks/multitask.py                      # the defaults: ~25 min on 2 cores
+    python benchmarks/multitask.py                      # the defaults (3 tasks, 24 steps)
+    python benchmarks/multitask.py --tasks chain_sum products --steps 12 --prompts 4 --group 6 --max-new 24 \\
+        --eval-n 40                                     # what docs/multidomain.md reports (22 min per multi-task run
+                                                        # on 2 heavily shared cores)
     python benchmarks/multitask.py --model tiny-random --steps 2 --eval-n 4 \\
         --json /tmp/mt.json --doc /tmp/mt.md             # a check of the script itself
 """
@@ -121,6 +124,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--eval-n", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", nargs="*", help="run only these (multi, multi+task_norm, specialist/<task>)")
+    p.add_argument("--merge", type=Path, help="a results JSON of the same settings: reuse its start accuracy and "
+                   "keep its runs (so runs can be split over processes)")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "multitask.json")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "multidomain.md")
     args = p.parse_args()
@@ -135,7 +141,13 @@ def main() -> None:
     plan = [("multi", args.tasks, args.steps, False), ("multi+task_norm", args.tasks, args.steps, True)]
     plan += [(f"specialist/{t}", [t], spec_steps, False) for t in args.tasks]
     base = None
+    if args.merge is not None:
+        earlier = json.loads(args.merge.read_text())
+        results["runs"].update(earlier["runs"])
+        base = next(iter(earlier["runs"].values()))["before"] if earlier["runs"] else None
     for name, tasks, steps, norm in plan:
+        if args.only and name not in args.only:
+            continue
         start = {t: base[t] for t in tasks} if base is not None else None
         res = run_one(make_config(args.model, tasks, steps, norm, args.eval_n, args), start)
         base = base or res["before"]
