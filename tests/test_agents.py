@@ -6,7 +6,6 @@ import pytest
 import torch
 from conftest import ROOT, SMOKE
 
-from polyrl.algorithms.offpolicy import truncated_is_weight
 from polyrl.algorithms.step_credit import (
     apply_step_credit,
     attribute_tree_advantages,
@@ -209,13 +208,6 @@ def test_success_replay_mixes_into_all_fail_groups():
     half = Trajectory("t", 9, 0, [1], [1], [0.0], [0], info={"score": 1.0})
     pr.update([half, Trajectory("t", 9, 0, [1], [1], [0.0], [0], info={"score": 0.0})])
     assert pr.weight("t/9") > pr.weight("t/0") and pr.count(4) == 2
-
-
-def test_truncated_is_weight():
-    old = torch.tensor([[-1.0, -2.0]])
-    mu = torch.tensor([[-2.0, -1.0]])
-    w = truncated_is_weight(old, mu, cap=1.5)
-    assert w.tolist()[0] == pytest.approx([1.5, float(torch.exp(torch.tensor(-1.0)))])
 
 
 # --- wired into the loop -----------------------------------------------------------------------------------

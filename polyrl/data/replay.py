@@ -5,7 +5,7 @@ Replay"; Zhang et al. 2025, "RLEP: Reinforcement Learning with Experience Replay
 verified successful trajectories; when every sample of a group fails (no learning signal under a group
 baseline), one stored success replaces a sample, so the group has a positive example. A replayed sample
 keeps its stored tokens and behaviour log-probs and is marked ``replayed``; the learner corrects for it
-being off-policy with a truncated importance weight (``polyrl.algorithms.offpolicy``).
+being off-policy with a truncated importance weight (``polyrl.algorithms.corrections``).
 
 Prompt replay re-draws items already seen, weighted by p (1 - p) of their pass rate p so far: items
 solved about half the time carry the most signal for a group baseline (the variance of a Bernoulli reward).

@@ -17,10 +17,9 @@ import torch
 from transformers import PreTrainedModel
 
 from polyrl.algorithms import LOSSES, aggregate, kl_estimate, kl_penalty_to_go
-from polyrl.algorithms.corrections import correct_off_policy
+from polyrl.algorithms.corrections import correct_off_policy, truncated_importance_weight
 from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
-from polyrl.algorithms.offpolicy import truncated_is_weight
 from polyrl.config import AlgorithmConfig, OptimConfig
 from polyrl.models.forward import decoder_forward, head_logits
 from polyrl.types import Trajectory
@@ -271,8 +270,10 @@ class Learner:
                 x_metrics = {}
                 if algo.off_policy == "none" and bool(cross[c].any()):
                     advantages, x_metrics = self._cross_policy(mb, cross[c], old_logp, advantages)
-                if bool(mb.replayed.any()):  # off-policy correction of replayed samples (data/replay.py)
-                    w = truncated_is_weight(old_logp, mb.behaviour_logp, self.replay_is_cap)
+                # Replayed samples (data/replay.py) are off-policy; algorithm.off_policy, when set, corrects them
+                # with every other row, so this one is only for the otherwise on-policy case.
+                if algo.off_policy == "none" and bool(mb.replayed.any()):
+                    w = truncated_importance_weight(old_logp, mb.behaviour_logp, self.replay_is_cap)
                     w = torch.where(mb.replayed[:, None], w, torch.ones_like(w))
                     advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * w
                 pg_mask, off_metrics = mb.loss_mask, {}
@@ -284,8 +285,8 @@ class Learner:
                     logp, old_logp, advantages, pg_mask, clip_low=algo.clip_low,
                     clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=num_tokens, **algo.loss_kwargs,
                 )
-                m.update(off_metrics)
                 m = {**m, **x_metrics}
+                m.update(off_metrics)
                 ent = aggregate(entropy, mb.loss_mask, algo.loss_agg, num_tokens) * share
                 loss = algo.pg_coef * pg_loss * share - algo.entropy_coef * ent
                 parts = {"loss/pg": float(pg_loss.detach()) * share, "entropy": float(ent.detach())}
@@ -334,7 +335,7 @@ class Learner:
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Per-token advantages with truncated importance weights on the rows another policy sampled; the
         learner's own rows keep weight 1. Metrics are over the cross-policy tokens."""
-        weights = truncated_is_weight(old_logp, mb.behaviour_logp, self.is_cap)
+        weights = truncated_importance_weight(old_logp, mb.behaviour_logp, self.is_cap)
         weights = torch.where(rows[:, None] & (mb.loss_mask > 0), weights, torch.ones_like(weights))
         per_token = advantages[:, None] if advantages.dim() == 1 else advantages
         valid = (mb.loss_mask > 0) & rows[:, None]
