@@ -8,7 +8,7 @@ from polyrl.docs_gen import DOC_PATH, main, render, type_name
 
 def test_committed_reference_is_current():
     assert DOC_PATH.read_text() == render(), (
-        "docs/configuration.md is out of date with polyrl/config.py; regenerate it: python -m polyrl.docs_gen"
+        "docs/configuration.md is out of date with polyrl/config/; regenerate it: python -m polyrl.docs_gen"
     )
     assert main(["--check"]) == 0
 

@@ -1,0 +1,230 @@
+"""Typed experiment config: one YAML per experiment, validated up front, dotted overrides.
+
+Every error is one line that names the offending key, so a typo never starts a 15-minute run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from polyrl.config.base import ConfigError, _Strict
+from polyrl.config.features import (
+    AgentsConfig,
+    ArpoConfig,
+    CurriculumConfig,
+    EarlyStopConfig,
+    PhaseConfig,
+    PipelineConfig,
+    ReplayConfig,
+    RuntimeConfig,
+    StageConfig,
+    StepCreditConfig,
+)
+from polyrl.config.sections import (
+    AlgorithmConfig,
+    CrossPolicyConfig,
+    EngineConfig,
+    EvalConfig,
+    LoggingConfig,
+    LoraConfig,
+    ModelConfig,
+    OptimConfig,
+    RewardComponentConfig,
+    RolloutConfig,
+    TaskConfig,
+    TrainConfig,
+    VllmConfig,
+)
+
+__all__ = [
+    "AgentsConfig",
+    "AlgorithmConfig",
+    "ArpoConfig",
+    "Config",
+    "ConfigError",
+    "CrossPolicyConfig",
+    "CurriculumConfig",
+    "EarlyStopConfig",
+    "EngineConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PhaseConfig",
+    "PipelineConfig",
+    "ReplayConfig",
+    "RewardComponentConfig",
+    "RolloutConfig",
+    "RuntimeConfig",
+    "StageConfig",
+    "StepCreditConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "VllmConfig",
+    "apply_override",
+    "dump_config",
+    "load_config",
+]
+
+
+class Config(_Strict):
+    name: str = "run"
+    model: ModelConfig = ModelConfig()
+    engine: EngineConfig = EngineConfig()
+    tasks: list[TaskConfig] = Field(min_length=1)
+    rollout: RolloutConfig = RolloutConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    agents: AgentsConfig = AgentsConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    logging: LoggingConfig = LoggingConfig()
+    curriculum: CurriculumConfig | None = None
+    """Task phases, difficulty levels and adaptive mixture ratios; unset is a fixed mixture."""
+    stages: list[StageConfig] = []
+    """An ordered pipeline (sft / rl / distill stages); empty is one RL run of ``train.steps``."""
+    pipeline: PipelineConfig = PipelineConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    """Where rollouts and learning run: in one process, overlapped in two, or as Ray actors."""
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> Config:
+        names = [t.name for t in self.tasks]
+        for i, stage in enumerate(self.stages):
+            if stage.name in [s.name for s in self.stages[:i]]:
+                raise ValueError(f"stages.{i}.name: stage '{stage.name}' is listed twice; names must differ")
+            for key, picked in (("tasks", stage.tasks), ("teachers", list(stage.teachers))):
+                unknown = [n for n in picked if n not in names]
+                if unknown:
+                    raise ValueError(f"stages.{i}.{key}: unknown task '{unknown[0]}'; tasks: {', '.join(names)}")
+            try:
+                AlgorithmConfig.model_validate({**self.algorithm.model_dump(), **stage.algorithm})
+            except ValidationError as err:
+                first = err.errors()[0]
+                where = ".".join(str(p) for p in first["loc"])
+                msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+                msg = msg.removeprefix("Value error, ")
+                raise ValueError(f"stages.{i}.algorithm{'.' + where if where else ''}: {msg}") from None
+        if not self.stages and self.algorithm.distill_coef > 0 and not any(t.teacher for t in self.tasks):
+            raise ValueError("algorithm.distill_coef: > 0 but no tasks[].teacher is set")
+        return self
+
+    @model_validator(mode="after")
+    def _check_names(self) -> Config:
+        # Imported here: registries import torch-heavy modules that config users may not need.
+        from polyrl.envs.base import check_task
+
+        for i, task in enumerate(self.tasks):
+            check_task(task, key=f"tasks.{i}")
+            if task.name in [t.name for t in self.tasks[:i]]:
+                raise ValueError(f"tasks.{i}.name: task '{task.name}' is listed twice; names must differ")
+        if self.curriculum is not None:
+            from polyrl.data.curriculum import check_curriculum
+
+            check_curriculum(self.curriculum, self.tasks)
+            if self.runtime.kind != "local":  # its state lives where rollouts are drawn, not in checkpoints yet
+                raise ValueError(f"curriculum: needs runtime.kind: local (got {self.runtime.kind})")
+        algo, rollout = self.algorithm, self.rollout
+        if algo.overlong_buffer > rollout.max_new_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer: {algo.overlong_buffer} is longer than "
+                f"rollout.max_new_tokens ({rollout.max_new_tokens})"
+            )
+        arpo = self.agents.arpo
+        if arpo.enabled and (rollout.group_size < 2 or (arpo.global_samples or 1) > rollout.group_size):
+            raise ValueError(
+                f"agents.arpo.global_samples: needs 1 <= global_samples <= rollout.group_size "
+                f"({rollout.group_size}) and a group of at least 2"
+            )
+        if algo.dynamic_sampling and rollout.group_size < 2:
+            raise ValueError(
+                "algorithm.dynamic_sampling: needs rollout.group_size >= 2 (a group of one never varies)"
+            )
+        return self
+
+
+def _parse_value(text: str) -> Any:
+    """Command-line values are YAML scalars: ``3`` is an int, ``true`` a bool, ``[a, b]`` a list."""
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def apply_override(data: dict[str, Any], dotted: str) -> None:
+    """Apply ``a.b.c=value`` to a nested dict; list items are addressed by index (``tasks.0.name=x``)."""
+    if "=" not in dotted:
+        raise ConfigError(f"override '{dotted}': expected key=value")
+    key, _, raw = dotted.partition("=")
+    parts = key.strip().split(".")
+    node: Any = data
+    for depth, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override '{key}': '{where}' is not an index of the list")
+            node = node[int(part)]
+            if not isinstance(node, dict | list):
+                raise ConfigError(f"override '{key}': '{where}' is a value, not a section")
+        else:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict | list):
+                raise ConfigError(f"override '{key}': '{where}' is a value, not a section")
+    last = parts[-1]
+    try:
+        value = _parse_value(raw)
+    except (yaml.YAMLError, RecursionError):
+        raise ConfigError(f"override '{key}': the value is not valid YAML") from None
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise ConfigError(f"override '{key}': '{last}' is not an index of the list")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def _format_error(source: str, err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] == "missing":
+        msg = "required key is missing"
+    # Our own validators raise ConfigError-shaped messages that already name the key.
+    if first["type"] == "value_error" and msg.startswith("Value error, "):
+        return f"{source}: {msg.removeprefix('Value error, ')}"
+    return f"{source}: {key}: {msg}"
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None, data: dict | None = None) -> Config:
+    """Load a YAML file (or a dict), apply dotted overrides, validate; raise ConfigError on any problem."""
+    source = str(path) if path is not None else "config"
+    if data is None:
+        p = Path(path)  # type: ignore[arg-type]
+        if not p.is_file():
+            raise ConfigError(f"{source}: no such config file")
+        try:
+            data = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{source}: not UTF-8 text (byte {exc.start})") from None
+        except RecursionError:
+            raise ConfigError(f"{source}: nested too deeply to be a config") from None
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{source}:{where} is not valid YAML") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of keys")
+    for item in overrides or []:
+        apply_override(data, item)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(source, err)) from None
+
+
+def dump_config(config: Config) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

