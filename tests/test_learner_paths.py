@@ -84,3 +84,28 @@ def test_micro_batch_rows_drop_shared_padding():
     a, _ = token_logprobs(model, batch, 1.0, False)
     b, _ = token_logprobs(model, short, 1.0, False)
     assert torch.allclose(a[1:3, :2][short.loss_mask.bool()], b[short.loss_mask.bool()], atol=1e-5)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_chunked_head_matches_whole_logits(bf16):
+    # The output head in checkpointed chunks of 3 positions (responses are 4 long) against the [B, R, V] logits:
+    # log-probs, entropy and every parameter's gradient (body and head) agree to float32 rounding.
+    from polyrl.models.forward import head_logits
+    from polyrl.train.learner import chunked_logprobs, logprobs_from_logits, response_hidden
+
+    model = tiny_random_model(seed=5)
+    batch = _batch()
+    out = {}
+    for chunked in (False, True):
+        model.zero_grad(set_to_none=True)
+        hidden = response_hidden(model, batch, bf16)
+        if chunked:
+            logp, ent = chunked_logprobs(model, hidden, batch.targets, 0.7, entropy_grad=True, chunk=3)
+        else:
+            logp, ent = logprobs_from_logits(head_logits(model, hidden) / 0.7, batch, entropy_grad=True)
+        ((logp + 0.1 * ent) * batch.loss_mask).sum().backward()
+        out[chunked] = (logp.detach(), ent.detach(), _grads(model))
+    assert out[True][0].shape == batch.targets.shape
+    for a, b in zip(out[True], out[False], strict=True):
+        assert a.shape == b.shape
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+import torch.utils.checkpoint
 from transformers import PreTrainedModel
 
 from polyrl.algorithms import LOSSES, aggregate, kl_estimate, kl_penalty_to_go
@@ -144,11 +145,53 @@ def response_logits(
 def logprobs_from_logits(
     logits: torch.Tensor, batch: Batch, entropy_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    return _logprobs_of(logits, batch.targets, entropy_grad)
+
+
+def _logprobs_of(
+    logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     log_z = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, batch.targets[..., None]).squeeze(-1) - log_z
+    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - log_z
     with contextlib.nullcontext() if entropy_grad else torch.no_grad():
         entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logp, entropy
+
+
+HEAD_CHUNK = 16
+"""Response positions per chunk of the float32 output head in ``chunked_logprobs``."""
+
+
+def _head_logprobs(
+    model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _logprobs_of(head_logits(model, hidden) / temperature, targets, entropy_grad)
+
+
+def chunked_logprobs(
+    model: PreTrainedModel,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy_grad: bool = False,
+    chunk: int = HEAD_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logprobs_from_logits(head_logits(hidden) / temperature)`` over ``chunk`` positions at a time.
+
+    Under autograd each chunk is checkpointed: only its hidden states are kept and its logits are recomputed
+    in the backward pass, so the float32 [B, R, V] logits (and their softmax and gradient) never exist whole.
+    The cost is one more output-head matmul per position in the backward pass.
+    """
+    logps, entropies = [], []
+    for i in range(0, hidden.shape[1], chunk):
+        args = (model, hidden[:, i : i + chunk], targets[:, i : i + chunk], temperature, entropy_grad)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, *args, use_reentrant=False)
+        else:
+            lp, ent = _head_logprobs(*args)
+        logps.append(lp)
+        entropies.append(ent)
+    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1)
 
 
 def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
@@ -370,22 +413,18 @@ class Learner:
 
     def _forward(
         self, batch: Batch, entropy_grad: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Policy log-probs, entropy, the value of each response position when there is a critic, and the
-        logits (distillation compares whole distributions; autograd keeps them anyway)."""
-        if self.value_head is None:
-            logits = response_logits(self.model, batch, self.temperature, self.bf16)
-            return (*logprobs_from_logits(logits, batch, entropy_grad), None, logits)
-        # The head's input is captured with a hook, so the critic needs no forward pass of its own.
-        captured: list[torch.Tensor] = []
-        head = self.model.get_output_embeddings()
-        handle = head.register_forward_hook(lambda _mod, args, _out: captured.append(args[0]))
-        try:
-            logits = response_logits(self.model, batch, self.temperature, self.bf16)
-        finally:
-            handle.remove()
-        hidden = captured[-1][:, : batch.response_len].detach().float()
-        return (*logprobs_from_logits(logits, batch, entropy_grad), self.value_head(hidden), logits)
+        logits when distillation needs them (it compares whole distributions); otherwise the output head runs
+        in chunks of positions (``chunked_logprobs``) and the logits are None."""
+        hidden = response_hidden(self.model, batch, self.bf16)
+        values = None
+        if self.value_head is not None:  # the critic reads the head's (detached) float32 input
+            values = self.value_head(hidden.detach().float())
+        if self.teachers and self.algo.distill_coef > 0:
+            logits = head_logits(self.model, hidden) / self.temperature
+            return (*logprobs_from_logits(logits, batch, entropy_grad), values, logits)
+        return (*chunked_logprobs(self.model, hidden, batch.targets, self.temperature, entropy_grad), values, None)
 
     def _distill(
         self, mb: Batch, logits: torch.Tensor, tasks: list[str], num_tokens: float
