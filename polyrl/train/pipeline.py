@@ -5,7 +5,8 @@ the previous stage's final checkpoint. After every stage all tasks of the pipeli
 domain x stage table goes to RUN_DIR/stages.md and stages.json, the best checkpoint per task to
 RUN_DIR/registry.json. A task that falls more than ``pipeline.regression_threshold`` below its best is
 reported, and with ``pipeline.on_regression: distill`` a distill stage is inserted that teaches it from its best
-checkpoint (multi-teacher on-policy distillation, ``algorithms/distill.py``).
+checkpoint (multi-teacher on-policy distillation, ``algorithms/distill.py``). A distill stage leaves out the
+tasks whose teacher is its own starting checkpoint, and is skipped when that is every task.
 
 stages.json is also the pipeline's state: the plan (with inserted stages) and the finished stages' results, so
 ``--resume`` skips finished stages and resumes the interrupted one from its own checkpoint.
@@ -68,8 +69,24 @@ def find_regressions(
     }
 
 
-def stage_config(base: Config, stage: StageConfig, label: str, model: str, best: dict[str, dict]) -> Config:
-    """The plain single-run config of one stage: its tasks, overrides and teachers, starting from ``model``."""
+def _same_model(a: str, b: str) -> bool:
+    """Whether two model names (aliases or directories) name the same model."""
+    if a.rstrip("/") == b.rstrip("/"):
+        return True
+    return Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve()
+
+
+def stage_config(
+    base: Config, stage: StageConfig, label: str, model: str, best: dict[str, dict]
+) -> Config | None:
+    """The plain single-run config of one stage: its tasks, overrides and teachers, starting from ``model``.
+
+    A distill stage leaves out every task whose teacher is ``model`` itself (the stage's starting checkpoint):
+    its reverse KL is 0 from the start, yet AdamW normalises the near-zero gradients into full-size steps, so
+    distilling it could only move it away from its best. Such tasks are not sampled at all rather than sampled
+    with their distill loss masked: masked rows would still cost rollouts and take batch slots from the tasks
+    that do have a teacher. None when no task is left, i.e. the stage has nothing to do.
+    """
     data = base.model_dump(mode="json", exclude={"stages", "pipeline"})
     data["name"] = f"{base.name}-{label}"
     data["model"]["name"] = model
@@ -81,7 +98,11 @@ def stage_config(base: Config, stage: StageConfig, label: str, model: str, best:
                 raise ConfigError(f"stage {label}: no registry entry for task '{t['name']}' to teach it")
             spec = best[t["name"]]["checkpoint"]
         t["teacher"] = spec
-    if stage.kind == "distill":  # pure on-policy distillation unless the stage's algorithm says otherwise
+    if stage.kind == "distill":
+        data["tasks"] = [t for t in data["tasks"] if not _same_model(t["teacher"], model)]
+        if not data["tasks"]:
+            return None
+        # pure on-policy distillation unless the stage's algorithm says otherwise
         data["algorithm"].update(pg_coef=0.0, distill_coef=1.0)
     data["algorithm"].update(stage.algorithm)
     if stage.lr is not None:
@@ -155,18 +176,33 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
         entry = state["plan"][index]
         stage, label = StageConfig.model_validate(entry["stage"]), _label(index, entry)
         stage_dir = run_dir / "stages" / label
-        cfg = stage_config(config, stage, label, state["rows"][-1]["checkpoint"], registry(state["rows"]))
-        log(f"stage {label} ({stage.kind}, {stage.steps} steps, tasks: {', '.join(t.name for t in cfg.tasks)})")
-        run_stage = train_sft if stage.kind == "sft" else train
-        summary = run_stage(cfg, stage_dir, resume=resume and stage_dir.exists(), log=log)
-        ckpt = latest_checkpoint(stage_dir)
-        if ckpt is None:
-            raise RuntimeError(f"stage {label}: finished without a checkpoint in {stage_dir}")
-        result = evaluate_domains(config, str(ckpt))
+        start = state["rows"][-1]["checkpoint"]
+        cfg = stage_config(config, stage, label, start, registry(state["rows"]))
+        extra: dict[str, Any] = {}
+        if stage.kind == "distill":
+            planned = stage.tasks or [t.name for t in config.tasks]
+            kept = {t.name: t.teacher for t in cfg.tasks} if cfg is not None else {}
+            extra = {"teachers": kept, "left_out": [t for t in planned if t not in kept]}
+            for task, teacher in kept.items():
+                log(f"stage {label}: distill {task} from {teacher}")
+            for task in extra["left_out"]:
+                log(f"stage {label}: {task} left out of distillation: its teacher is the stage's start ({start})")
+        if cfg is None:  # a distill stage with no task left: no training step, the weights stay as they are
+            log(f"stage {label}: skipped, every task's teacher is its starting checkpoint")
+            ckpt, result, summary = start, dict(state["rows"][-1]["eval"]), {"steps": 0, "train_time_s": 0.0}
+        else:
+            log(f"stage {label} ({stage.kind}, {stage.steps} steps, tasks: {', '.join(t.name for t in cfg.tasks)})")
+            run_stage = train_sft if stage.kind == "sft" else train
+            summary = run_stage(cfg, stage_dir, resume=resume and stage_dir.exists(), log=log)
+            ckpt = latest_checkpoint(stage_dir)
+            if ckpt is None:
+                raise RuntimeError(f"stage {label}: finished without a checkpoint in {stage_dir}")
+            result = evaluate_domains(config, str(ckpt))
         regressions = find_regressions(state["rows"], result, threshold)
         state["rows"].append({
             "label": label, "kind": stage.kind, "checkpoint": str(ckpt), "eval": result,
             "regressions": regressions, "steps": summary.get("steps"), "train_time_s": summary.get("train_time_s"),
+            **extra,
         })
         log(f"{label}: {json.dumps(result)}")
         for task, r in regressions.items():
