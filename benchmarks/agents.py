@@ -71,6 +71,7 @@ def _train(path: Path, overrides: list[str], eval_n: int, steps: int, minutes: f
         out: dict[str, Any] = {"overrides": overrides}
         if before:
             out["before"] = _evaluate(run)
+            print(f"  before: {json.dumps(out['before'])}", flush=True)
         t0, step, rows = time.perf_counter(), 0, []
         budget = minutes * 60
         while step < steps and time.perf_counter() - t0 < budget:
@@ -128,6 +129,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=1_000_000, help="step count per arm (b, c: equal budgets)")
     p.add_argument("--eval", type=int, default=50, help="held-out items")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "agents.json")
+    p.add_argument("--arms", nargs="*", default=[], help="b, c: run only these arms (grpo and replay_off are "
+                   "the same run)")
     p.add_argument("--ckpt-dir", type=Path, default=Path(tempfile.gettempdir()) / "polyrl-agents-sft",
                    help="sft: where the warm-start checkpoint goes")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override, every arm")
@@ -141,6 +144,8 @@ def main() -> None:
     else:
         result = {}
         for name, overrides in ARMS[args.part].items():
+            if args.arms and name not in args.arms:
+                continue
             print(f"{args.part}: {name}", flush=True)
             result[name] = _train(args.config, args.set + overrides, args.eval, args.steps, args.minutes,
                                   before=False)
