@@ -51,3 +51,13 @@ def test_a_killed_worker_is_replaced_and_its_shard_redone(local_ray, tmp_path):
         assert groups == [0, 1, 2, 3]  # every group of the step, once each: none lost
         assert len(mine) == 4 * 4  # none counted twice
         assert all(v == step - 1 for r in mine for v, m in zip(r["versions"], r["loss_mask"], strict=True) if m)
+
+
+def test_ray_temp_dir_stays_short_enough_for_unix_sockets(tmp_path):
+    from polyrl.runtime.ray_ import _MAX_RAY_TEMP_LEN, _ray_temp_dir
+
+    deep = tmp_path / ("d" * 60) / "run"
+    chosen = _ray_temp_dir(deep)
+    # Ray adds about 65 characters of session/socket path below the temp dir; Unix sockets allow 107 bytes.
+    assert len(chosen) <= _MAX_RAY_TEMP_LEN and os.path.isdir(chosen)
+    assert len(chosen + "/session_2026-11-30_08-56-45_437273_29596/sockets/plasma_store") <= 107

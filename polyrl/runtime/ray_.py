@@ -17,9 +17,11 @@ import copy
 import dataclasses
 import os
 import queue
+import tempfile
 import threading
 import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 from polyrl.runtime.async_ import _snapshot
@@ -29,6 +31,17 @@ from polyrl.types import Trajectory
 
 SHARD_SEED_STRIDE = 104_729  # shard k of a round samples from seed + k * stride (shard 0 keeps the seed)
 
+
+
+# Ray puts its sockets under the temp dir (session_<timestamp>_<pid>/sockets/plasma_store, about 65 characters),
+# and a Unix socket path may not exceed 107 bytes: a deep run directory would make ray.init fail.
+_MAX_RAY_TEMP_LEN = 40
+
+
+def _ray_temp_dir(run_dir: Path) -> str:
+    """RUN_DIR/ray when its socket paths fit, else a short fresh directory under the system temp dir."""
+    inside = str((run_dir / "ray").resolve())
+    return inside if len(inside) <= _MAX_RAY_TEMP_LEN else tempfile.mkdtemp(prefix="polyrl-ray-")
 
 class RolloutWorker:
     """A Ray actor: its own copy of the run (model, engine, tasks), rolling out the shards it is sent."""
@@ -81,7 +94,7 @@ class RayStepper:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
             ray.init(address=rt.ray_address, num_cpus=None if rt.ray_address else rt.ray_num_cpus,
                      include_dashboard=False, log_to_driver=False,
-                     _temp_dir=None if rt.ray_address else str((run.run_dir / "ray").resolve()))
+                     _temp_dir=None if rt.ray_address else _ray_temp_dir(run.run_dir))
         self._actor = ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker)
         self.incarnations = [0] * rt.num_workers
         self.workers = [self._new_worker(k) for k in range(rt.num_workers)]
