@@ -21,6 +21,10 @@ from polyrl.models.loading import SMOLLM2_ALIAS, load_model, load_tokenizer  # n
 BF16_MEAN_TOL = 0.08
 # The same, for a sampled token's probability (|exp a - exp b|): what the PPO ratio actually sees.
 BF16_PROB_MEAN_TOL = 0.02
+# After the sync test's large update (every MLP output x1.5) bf16 rounding moves log-probs more: measured 0.06 to
+# 0.084 in bf16 (depending on the embedding noise), against 1e-5 with vLLM in float32 and 0.65 to 0.92 when the
+# tied head kept its start-up weights (docs/systems.md).
+SYNC_MEAN_TOL = 0.15
 CONFIG = VllmConfig(max_model_len=512, cpu_kv_cache_gib=1)
 
 
@@ -80,13 +84,14 @@ def test_same_seed_same_samples_and_greedy_matches_hf(full, tok):
     a = engine.generate(prompts, n=4, max_new_tokens=16, temperature=1.0, seed=7)
     b = engine.generate(prompts, n=4, max_new_tokens=16, temperature=1.0, seed=7)
     assert [[c.token_ids for c in g] for g in a] == [[c.token_ids for c in g] for g in b]
-    # Greedy: the first tokens agree with HF's float32 greedy decoding (bf16 may flip a later near-tie).
+    # Greedy: the first tokens agree with HF's float32 greedy decoding. Only two: the colour prompt's third
+    # token is a near-tie in float32 (log-probs -0.93 vs -1.04), which bf16 flips (measured, docs/systems.md).
     from polyrl.engines.hf import HFEngine
 
     hf = HFEngine(policy, tok, bf16=False).generate(prompts, 1, 8, temperature=0.0)
     ours = engine.generate(prompts, 1, 8, temperature=0.0)
     for h, o in zip(hf, ours, strict=True):
-        assert h[0].token_ids[:4] == o[0].token_ids[:4]
+        assert h[0].token_ids[:2] == o[0].token_ids[:2]
 
 
 def test_sync_pushes_the_learners_weights_in_place(full, tok):
@@ -94,6 +99,7 @@ def test_sync_pushes_the_learners_weights_in_place(full, tok):
     prompts = _prompts(tok)
     before = engine.generate(prompts, 1, 12, temperature=0.0)
     saved = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    torch.manual_seed(0)
     with torch.no_grad():  # a large "update": every layer's MLP output scaled, the (tied) embeddings moved
         for layer in policy.model.layers:
             layer.mlp.down_proj.weight.mul_(1.5)
@@ -105,7 +111,8 @@ def test_sync_pushes_the_learners_weights_in_place(full, tok):
         # vLLM now reports the updated policy's log-probs, not the old ones.
         groups = engine.generate(prompts, n=4, max_new_tokens=16, temperature=1.0, seed=3)
         lp_diff, _ = _diffs(engine, policy, prompts, groups, 1.0)
-        assert lp_diff.mean() < BF16_MEAN_TOL
+        print(f"after sync: mean |dlogp| {lp_diff.mean():.4f}")
+        assert lp_diff.mean() < SYNC_MEAN_TOL
     finally:
         with torch.no_grad():
             for n, p in policy.named_parameters():

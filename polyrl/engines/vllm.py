@@ -76,9 +76,21 @@ def _base_dir(policy: PreTrainedModel, model_name: str, scratch: Path) -> Path:
 
 
 def _retie_head(model: torch.nn.Module) -> None:
-    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    """Bring a tied output head up to date after an in-place reload.
+
+    The reload loads no weight under the head's name (it is tied), so it puts the head layer's old tensors back
+    and does not re-run its post-load processing. On CPU that processing packs the weight into the layer's own
+    GEMM kernel (``lm_head.cpu_linear``), which the logits use: without re-running it the logits kept the
+    start-up head while the embeddings were new. Copy the embeddings in if the head is a separate tensor, then
+    re-run the head's processing (on GPU, for an unquantized head, it does nothing).
+    """
+    head_layer = model.lm_head
+    head, embed = head_layer.weight, model.model.embed_tokens.weight
     if head.data_ptr() != embed.data_ptr():
         head.data.copy_(embed.data)
+    quant_method = getattr(head_layer, "quant_method", None)
+    if quant_method is not None:
+        quant_method.process_weights_after_loading(head_layer)
 
 
 def _lora_rank(r: int) -> int:
@@ -155,8 +167,7 @@ class VLLMEngine:
             "reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True}
         )
         if self.tied:
-            # The reload skips a tied head's checkpoint name and puts the old head tensor back, untying it
-            # from the new embeddings: copy them over.
+            # The reload skips a tied head and keeps its old (on CPU: packed) weights: rebuild it.
             self.llm.apply_model(_retie_head)
         # Cached prefixes were computed with the old weights.
         self.llm.reset_prefix_cache()
@@ -213,6 +224,7 @@ class VLLMEngine:
         return groups
 
     def close(self) -> None:
-        """Free vLLM and remove the scratch checkpoint and adapter directories."""
-        del self.llm
+        """Free vLLM and remove the scratch checkpoint and adapter directories (a second call does nothing)."""
+        if hasattr(self, "llm"):
+            del self.llm
         shutil.rmtree(self._scratch, ignore_errors=True)
