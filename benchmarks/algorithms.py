@@ -26,6 +26,8 @@ import time
 import traceback
 from pathlib import Path
 
+from doc_block import replace_block
+
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- benchmark:start -->", "<!-- benchmark:end -->"
 
@@ -117,14 +119,7 @@ def markdown(results: dict) -> str:
 
 
 def write_doc(doc: Path, table: str) -> None:
-    """Replace the text between the benchmark markers (append a marked section if there is none)."""
-    text = doc.read_text() if doc.exists() else ""
-    block = f"{START}\n{table}\n{END}"
-    if START in text and END in text:
-        text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + f"\n\n## Benchmark results\n\n{block}\n"
-    doc.write_text(text)
+    replace_block(doc, START, END, table, "Benchmark results")
 
 
 def _cores() -> int:

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from doc_block import replace_block
+
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- multitask:start -->", "<!-- multitask:end -->"
 ONE_DIGIT = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
@@ -103,14 +105,7 @@ def markdown(results: dict) -> str:
 
 
 def write_doc(doc: Path, table: str) -> None:
-    """Replace the text between the multitask markers; the rest of the page is left as it is."""
-    text = doc.read_text() if doc.exists() else ""
-    block = f"{START}\n{table}\n{END}"
-    if START in text and END in text:
-        text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + f"\n\n## Multi-task training\n\n{block}\n"
-    doc.write_text(text)
+    replace_block(doc, START, END, table, "Multi-task training")
 
 
 def main() -> None:
