@@ -3,7 +3,7 @@
 import torch
 
 from polyrl.config import AlgorithmConfig, LoraConfig, OptimConfig
-from polyrl.models.loading import load_model
+from polyrl.models.loading import holds_bf16_weights, load_model
 from polyrl.train.learner import Learner, collate, token_logprobs
 from polyrl.types import Trajectory
 
@@ -31,3 +31,33 @@ def test_lora_reference_is_base_model_without_a_copy():
     assert metrics["kl"] > 0
     assert torch.allclose(learner._reference_logprobs(batch), expected, atol=1e-5)
     assert not torch.allclose(token_logprobs(policy, batch, 1.0, False)[0], expected, atol=1e-4)
+
+
+def test_bf16_frozen_base_gives_the_same_updates_as_float32_under_autocast():
+    """Autocast casts float32 weights to bf16 for each matmul; storing the frozen base in bf16 must not change
+    the numbers, only the bytes."""
+    runs = []
+    for bf16_base in (False, True):
+        torch.manual_seed(0)
+        policy = load_model("tiny-random", LoraConfig(r=4, alpha=8, bf16_base=bf16_base), seed=1, bf16=True)
+        assert holds_bf16_weights(policy) == bf16_base
+        learner = Learner(policy, AlgorithmConfig(kl_coef=0.1), OptimConfig(lr=1e-2), 1.0, True, pad_id=2)
+        metrics = [learner.update(_batch()) for _ in range(3)]
+        lora = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+        runs.append((metrics, lora))
+    (m32, w32), (m16, w16) = runs
+    for a, b in zip(m32, m16, strict=True):
+        for key in ("loss", "kl", "entropy"):
+            assert abs(a[key] - b[key]) < 1e-5, (key, a[key], b[key])
+    assert w32.keys() == w16.keys()
+    assert all(torch.allclose(w32[n], w16[n], atol=1e-6) for n in w32)
+
+
+def test_bf16_base_is_shared_by_the_engine_copy():
+    from polyrl.engines.hf import bf16_copy
+
+    policy = load_model("tiny-random", LoraConfig(r=4, alpha=8), seed=1, bf16=True)
+    copy = bf16_copy(policy)
+    base = {n: p.data_ptr() for n, p in policy.named_parameters() if "base_layer" in n}
+    shared = {n: p.data_ptr() for n, p in copy.named_parameters() if n in base}
+    assert base and shared == base  # no second copy of the frozen base

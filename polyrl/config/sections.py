@@ -15,6 +15,10 @@ class LoraConfig(_Strict):
     alpha: float = 32.0
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    bf16_base: bool = True
+    """With ``model.bf16``, store the frozen base weights of the adapted layers in bfloat16. Autocast casts them
+    to bfloat16 for every matmul anyway, so the numbers are the same; their memory halves, the backward pass
+    saves no cast copies, and the engine's bf16 sampling copy shares them instead of copying."""
 
 
 class ModelConfig(_Strict):

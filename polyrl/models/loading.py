@@ -150,8 +150,10 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
         raise ValueError(f"model '{name}': its chat template does not render: {detail}") from None
 
 
-def load_model(name: str, lora: LoraConfig | None = None, seed: int = 0) -> PreTrainedModel:
-    """Load the policy in float32 (bf16 is applied as autocast, so optimizer states stay exact)."""
+def load_model(name: str, lora: LoraConfig | None = None, seed: int = 0, bf16: bool = False) -> PreTrainedModel:
+    """Load the policy in float32 (bf16 is applied as autocast, so optimizer states stay exact). With LoRA,
+    ``bf16`` (autocast on) and ``lora.bf16_base``, the frozen base weights of the adapted layers are stored in
+    bfloat16 (``frozen_base_to_bf16``)."""
     _quiet_transformers()
     if name == TINY_ALIAS:
         model = tiny_random_model(seed)
@@ -183,4 +185,28 @@ def load_model(name: str, lora: LoraConfig | None = None, seed: int = 0) -> PreT
                 task_type="CAUSAL_LM",
             ),
         )
+        if bf16 and lora.bf16_base:
+            frozen_base_to_bf16(model)
     return model
+
+
+def frozen_base_to_bf16(model: torch.nn.Module) -> int:
+    """Store the frozen ``base_layer`` weights of peft's LoRA layers in bfloat16; returns how many tensors.
+
+    Under bf16 autocast every matmul casts a float32 weight to bfloat16 (round to nearest even) before using it,
+    so storing it cast gives the same results while halving its bytes and sparing the backward pass the cast
+    copies it would save. Embeddings, norms and the tied output head (used in float32 for log-probs) stay float32."""
+    cast = 0
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, torch.nn.Linear) and not base.weight.requires_grad:
+            base.weight.data = base.weight.data.to(torch.bfloat16)
+            if base.bias is not None:
+                base.bias.data = base.bias.data.to(torch.bfloat16)
+            cast += 1
+    return cast
+
+
+def holds_bf16_weights(model: torch.nn.Module) -> bool:
+    """True when some weights are stored in bfloat16, so forward passes must run under bf16 autocast."""
+    return any(p.dtype == torch.bfloat16 for p in model.parameters())

@@ -21,7 +21,7 @@ from polyrl.data.sampler import TaskSampler
 from polyrl.engines import make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import Task, make_task
-from polyrl.models.loading import load_model, load_tokenizer
+from polyrl.models.loading import holds_bf16_weights, load_model, load_tokenizer
 from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
 from polyrl.observe.progress import TrainProgress
 from polyrl.observe.report import write_report_safely
@@ -59,7 +59,7 @@ class Run:
 def build_run(config: Config, run_dir: Path) -> Run:
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.model.name)
-    model = load_model(config.model.name, config.model.lora, seed=config.train.seed)
+    model = load_model(config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16)
     tasks = {
         t.name: make_task(t, config.train.seed, config.model.system_prompt, tokenizer) for t in config.tasks
     }
@@ -190,7 +190,8 @@ def evaluate_all(run: Run) -> dict[str, float]:
     """Greedy held-out accuracy per task, on the policy's own weights (no bf16 copy unless eval.bf16)."""
     cfg = run.config
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-    engine = run.engine if cfg.eval.bf16 else HFEngine(run.model, run.tokenizer, bf16=False)
+    # Weights stored in bf16 (LoRA's frozen base) need autocast; the rest of the policy is still evaluated as is.
+    engine = run.engine if cfg.eval.bf16 else HFEngine(run.model, run.tokenizer, bf16=holds_bf16_weights(run.model))
     return {
         name: evaluate(engine, task, task.config.eval_size, max_new, cfg.eval.batch_size)["accuracy"]
         for name, task in run.tasks.items()
