@@ -87,6 +87,10 @@ class TaskConfig(_Strict):
     max_turns x rollout.max_new_tokens."""
     tool_parser: str = "auto"
     """Tool-call format: smollm2, hermes (qwen), llama3, or auto (read from the model's chat template)."""
+    tool_latency_s: float = Field(0.0, ge=0)
+    """Seconds each tool call takes at least (the tool's own time counts towards it), standing in for a remote
+    API, a search service or a code sandbox; tool envs only (tool_math, retrieval_qa, ToolEnv subclasses). The
+    calls of one turn wait concurrently across samples. 0 is off."""
     prompt_suffix: str = ""
     answer: Literal["last_number", "full", "math_verify"] = "last_number"
     """How the answer is read from a reply: the last number in it, the whole stripped reply, or math_verify

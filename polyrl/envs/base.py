@@ -44,6 +44,11 @@ class Env(ABC):
     tool_parser: ToolParser | None = None
     max_turns: int = 1
     """Default turn limit; ``tasks[].max_turns`` in the config overrides it."""
+    concurrent_steps: bool = False
+    """True when ``step`` may wait on something outside the process (a tool, a service) and is safe to call
+    from a worker thread: the rollout then steps such envs of one turn concurrently. Envs whose steps only
+    compute stay in the calling thread (threads would not speed them up, and math-verify's timeout needs the
+    main thread)."""
 
     @abstractmethod
     def reset(self, item: dict[str, Any]) -> list[Message]:
@@ -93,7 +98,15 @@ class Task:
         self.seed = seed
 
     def make_env(self) -> Env:
-        return self._make_env()
+        env = self._make_env()
+        if self.config.tool_latency_s:
+            from polyrl.envs.tools import ToolEnv  # here: tools imports this module
+
+            if not isinstance(env, ToolEnv):
+                raise ValueError(f"task '{self.name}': tool_latency_s needs a tool env (a ToolEnv), got "
+                                 f"{type(env).__name__}")
+            env.tool_latency_s = self.config.tool_latency_s
+        return env
 
     def train_item(self, index: int) -> dict[str, Any]:
         if self._make_item is None:
@@ -201,4 +214,7 @@ def make_task(config: TaskConfig, seed: int, system_prompt: str | None = None, t
     spec = ENVS[env_name(config)]
     parser = get_parser(config.tool_parser, tokenizer)
     ctx = TaskContext(seed, _params(spec, config, "task"), parser, system_prompt)
-    return spec.factory(config, ctx)
+    task = spec.factory(config, ctx)
+    if config.tool_latency_s:
+        task.make_env()  # fail at start-up, not at the first rollout, when the env has no tools to delay
+    return task

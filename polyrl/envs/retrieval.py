@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import re
+import threading
 from dataclasses import dataclass
 from functools import cache
 from typing import TYPE_CHECKING, Any
@@ -44,6 +45,11 @@ def _unique_names(rng: random.Random, n: int, make) -> list[str]:
     return names
 
 
+# A corpus's index serves every episode, and tool envs are stepped from several threads at once. Module-level,
+# so episodes forked by deepcopy (ARPO) still share it.
+_SEARCH_LOCK = threading.Lock()
+
+
 @dataclass
 class Corpus:
     """The generated documents, the facts behind them, and a BM25 index over them."""
@@ -68,9 +74,10 @@ class Corpus:
             query: Keywords to look for, such as a person's or a town's name.
         """
         # Words not in the collection map to bm25s's empty token, which scores 0 everywhere.
-        tokens = self._tokenizer.tokenize([query], update_vocab=False, show_progress=False)
         k = min(self.top_k, len(self.documents))
-        ids, scores = self._index.retrieve(tokens, k=k, show_progress=False)
+        with _SEARCH_LOCK:
+            tokens = self._tokenizer.tokenize([query], update_vocab=False, show_progress=False)
+            ids, scores = self._index.retrieve(tokens, k=k, show_progress=False)
         hits = [self.documents[i] for i, s in zip(ids[0].tolist(), scores[0].tolist(), strict=True) if s > 0]
         return "\n".join(hits) if hits else "No documents found."
 

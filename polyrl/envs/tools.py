@@ -7,6 +7,7 @@ the same builder chat templates expect), so a tool is written once and rendered 
 from __future__ import annotations
 
 import inspect
+import time
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -109,9 +110,14 @@ class ToolEnv(Env):
 
     A malformed call, an unknown tool or a failing tool is answered with an ``Error: ...`` observation,
     ``info["tool_error"]`` and a reward of ``-tool_error_penalty``; the episode goes on.
+
+    ``tool_latency_s`` (``tasks[].tool_latency_s``) makes every call that reaches a tool take at least that
+    long, as a remote tool would; the calls of one reply run one after another.
     """
 
     max_turns = 4
+    concurrent_steps = True
+    tool_latency_s: float = 0.0
 
     def __init__(
         self,
@@ -134,7 +140,14 @@ class ToolEnv(Env):
         tool = self._by_name.get(call.name)
         if tool is None:
             raise ToolError(f"unknown tool '{call.name}'; available: {', '.join(self._by_name)}")
-        return tool(call.arguments)
+        start = time.monotonic()
+        try:
+            return tool(call.arguments)
+        finally:
+            # A remote tool answers a failing call as slowly as a good one, so errors wait too.
+            wait = self.tool_latency_s - (time.monotonic() - start)
+            if wait > 0:
+                time.sleep(wait)
 
     def step(self, assistant_message: str) -> StepResult:
         parsed = self.tool_parser.parse(assistant_message)

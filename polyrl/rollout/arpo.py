@@ -24,7 +24,7 @@ from polyrl.config import ArpoConfig
 from polyrl.engines.hf import Completion, HFEngine
 from polyrl.envs.base import Task
 from polyrl.rollout.early_stop import EarlyStopper
-from polyrl.rollout.multi_turn import TURN_SEED_STRIDE, Episode, advance, start_episode, stop_early, to_trajectory
+from polyrl.rollout.multi_turn import TURN_SEED_STRIDE, Episode, advance_all, start_episode, to_trajectory
 from polyrl.types import Trajectory
 
 
@@ -107,7 +107,8 @@ def arpo_rollout(
             outs = engine.generate([leaf.episode.ids for _, leaf in active], 1, max(limits), temperature, top_p,
                                    turn_seed, entropy=True, **extra)
         it += 1
-        for (g, leaf), (c,), limit in zip(active, outs, limits, strict=True):
+        # Forks copy an episode before its turn is appended, so every leaf branches first, then all advance.
+        for (g, leaf), (c,) in zip(active, outs, strict=True):
             e = leaf.episode
             entropy = head_entropy(c, cfg.entropy_tokens)
             if e.turns == 0:
@@ -121,10 +122,7 @@ def arpo_rollout(
                 for _ in range(width):
                     child = Leaf(fork(e), len(trees[g]), leaf.branch_id, len(e.ids), leaf.initial_entropy)
                     trees[g].append(child)
-            if c.stopped and stopper is not None:
-                stop_early(e, c, limit, version, stopper.terminal_reward)
-            else:
-                advance(e, c, limit, version, engine)
+        advance_all([leaf.episode for _, leaf in active], [c for (c,) in outs], limits, version, engine, stopper)
     out = []
     for tree in trees:
         for leaf in tree:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from statistics import mean
 from typing import Any
@@ -17,13 +18,15 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from polyrl.engines.hf import Completion, HFEngine
-from polyrl.envs.base import Env, Message, Task
+from polyrl.envs.base import Env, Message, StepResult, Task
 from polyrl.rollout.early_stop import EarlyStopper
 from polyrl.rollout.render import ChatRenderer
 from polyrl.types import Trajectory
 
 # Later turns draw from seeds far from the first turn's, which stays ``seed`` (as single-turn rollouts were).
 TURN_SEED_STRIDE = 1_000_033
+MAX_ENV_THREADS = 32
+"""Most env steps of one turn that wait at once (``step_envs``); more queue for a free thread."""
 
 
 def _decode(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
@@ -129,8 +132,18 @@ def stop_early(episode: Episode, completion: Completion, limit: int, version: in
     e.finish(env_done=False, truncated=False)
 
 
-def advance(episode: Episode, completion: Completion, limit: int, version: int, engine: HFEngine) -> None:
-    """Append one model turn, step the env, and append its observation tokens (or end the episode)."""
+@dataclass
+class Turn:
+    """A model turn appended to its episode, waiting for the env's answer."""
+
+    episode: Episode
+    reply: str
+    ids: list[int]
+    stopped: bool
+
+
+def take_turn(episode: Episode, completion: Completion, limit: int, version: int, engine: HFEngine) -> Turn:
+    """Append one model turn's tokens; the env has not seen the reply yet."""
     e, tok = episode, engine.tokenizer
     ids, logprobs = completion.token_ids[:limit], completion.logprobs[:limit]
     stopped = bool(ids) and ids[-1] in engine.stop_ids
@@ -138,8 +151,13 @@ def advance(episode: Episode, completion: Completion, limit: int, version: int, 
     versions = getattr(completion, "versions", None)  # per token when the turn was a partial rollout
     e.append(ids, logprobs, version if versions is None else versions[:limit])
     e.spans.append((start, len(e.ids)))
-    reply = _decode(tok, ids[:-1] if stopped else ids)
-    observations, reward, done, info = e.env.step(reply)
+    return Turn(e, _decode(tok, ids[:-1] if stopped else ids), ids, stopped)
+
+
+def finish_turn(turn: Turn, result: StepResult, version: int, engine: HFEngine) -> None:
+    """Record the env's answer to a turn and append its observation tokens (or end the episode)."""
+    e, tok, reply, ids, stopped = turn.episode, engine.tokenizer, turn.reply, turn.ids, turn.stopped
+    observations, reward, done, info = result
     e.turns += 1
     e.rewards.append(float(reward))
     e.last_info = info
@@ -165,6 +183,50 @@ def advance(episode: Episode, completion: Completion, limit: int, version: int, 
     e.context = e.context + reply + (stop_text or "") + tail
     e.messages += observations
     e.states.append(state_key(observations, info))
+
+
+def advance(episode: Episode, completion: Completion, limit: int, version: int, engine: HFEngine) -> None:
+    """Append one model turn, step the env, and append its observation tokens (or end the episode)."""
+    turn = take_turn(episode, completion, limit, version, engine)
+    finish_turn(turn, episode.env.step(turn.reply), version, engine)
+
+
+def step_envs(turns: list[Turn]) -> list[StepResult]:
+    """Every turn's env step, in the order of ``turns``. Steps of envs with ``concurrent_steps`` run in
+    threads, so k tool calls that each wait L seconds cost about L, not k x L; each episode has its own env,
+    so the results are the ones the sequential loop would get. The others run in the calling thread."""
+    threaded = [t for t in turns if t.episode.env.concurrent_steps]
+    if len(threaded) < 2:
+        return [t.episode.env.step(t.reply) for t in turns]
+    results: dict[int, StepResult] = {}
+    with ThreadPoolExecutor(min(len(threaded), MAX_ENV_THREADS), thread_name_prefix="env-step") as pool:
+        futures = {id(t): pool.submit(t.episode.env.step, t.reply) for t in threaded}
+        for t in turns:
+            if id(t) not in futures:
+                results[id(t)] = t.episode.env.step(t.reply)
+        for t in threaded:
+            results[id(t)] = futures[id(t)].result()
+    return [results[id(t)] for t in turns]
+
+
+def advance_all(
+    episodes: list[Episode],
+    completions: list[Completion],
+    limits: list[int],
+    version: int,
+    engine: HFEngine,
+    stopper: EarlyStopper | None = None,
+) -> None:
+    """``advance`` for every episode of one turn, their env steps run together (``step_envs``); a completion
+    the early-stop predicate cut ends its episode instead. Tokenizer work stays in the calling thread."""
+    turns = []
+    for e, c, limit in zip(episodes, completions, limits, strict=True):
+        if c.stopped and stopper is not None:
+            stop_early(e, c, limit, version, stopper.terminal_reward)
+        else:
+            turns.append(take_turn(e, c, limit, version, engine))
+    for turn, result in zip(turns, step_envs(turns), strict=True):
+        finish_turn(turn, result, version, engine)
 
 
 def to_trajectory(e: Episode, tokenizer: PreTrainedTokenizerBase) -> Trajectory:
@@ -258,11 +320,7 @@ def play(
             outs = engine.generate([e.ids for e in active], 1, max(limits), temperature, top_p, turn_seed,
                                    **extra)
             completions = [c for (c,) in outs]
-        for e, c, limit in zip(active, completions, limits, strict=True):
-            if c.stopped:
-                stop_early(e, c, limit, version, stopper.terminal_reward)
-            else:
-                advance(e, c, limit, version, engine)
+        advance_all(active, completions, limits, version, engine, stopper)
         turn += 1
     return episodes
 
