@@ -4,7 +4,7 @@ Each engine samples the same chat prompts ``--repeats`` times (after one warm-up
 settings; tokens/s counts the tokens actually produced (a sample that stops early counts only its tokens).
 The vLLM engine needs the vllm extra (its own environment, docs/systems.md); without it only hf runs.
 
-    /work/venv-vllm/bin/python benchmarks/engines.py                       # hf and vllm, ~5 min on 2 cores
+    .venv-vllm/bin/python benchmarks/engines.py                            # hf and vllm, ~5 min on 2 cores
     python benchmarks/engines.py --engines hf --out /tmp/engines.json      # a check of the script itself
 
 The machine's load average is recorded with the numbers: on a shared machine it moves them.
