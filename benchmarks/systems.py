@@ -143,8 +143,7 @@ def loadavg() -> list[float]:
 def table(results: dict, meta: dict) -> str:
     base = results["sync"]["samples_per_s"]
     lat = ", ".join(f"{k} {v} s" for k, v in LATENCY_S.items())
-    lines = [f"Measured by `python benchmarks/systems.py --model {meta['model']} --steps {meta['steps']} "
-             f"--sft-steps {meta['sft_steps']}` on this 2-core CPU ({meta['date']}; tool latency per call: {lat}; "
+    lines = [f"Measured by `{meta['command']}` on this 2-core CPU ({meta['date']}; tool latency per call: {lat}; "
              f"load average before / after: {meta['loadavg_before'][0]:.2f} / {meta['loadavg_after'][0]:.2f}):",
              "", "| runtime | samples/s | tokens/s | vs sync | s/step | mean staleness | tool calls/sample | "
              "wall s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -152,6 +151,9 @@ def table(results: dict, meta: dict) -> str:
         lines.append(f"| {name} | {r['samples_per_s']:.2f} | {r['tokens_per_s']:.1f} | "
                      f"{r['samples_per_s'] / base:.2f}x | {r['step_s']:.1f} | {r['staleness_mean']:.2f} | "
                      f"{r['tool_calls_mean']:.2f} | {r['wall_s']:.0f} |")
+    r, u = results["sync"]["rollout_time_s"], results["sync"]["update_time_s"]
+    lines += ["", f"Sync's step splits into rollout {r:.1f} s (tool waits included) and update {u:.1f} s, so even a "
+              f"perfect overlap of the two could reach at most (R + U) / max(R, U) = {(r + u) / max(r, u):.2f}x."]
     steps = len(results["sync"]["curve"])
     samples = results["sync"]["curve"][0]["samples"]
     lines += ["", f"Reward per step (mean over the step's {samples} samples; equal samples per step in every "
@@ -159,7 +161,8 @@ def table(results: dict, meta: dict) -> str:
               "| --- |" + " --- |" * (steps + 1)]
     for name, r in results.items():
         rewards = [c["reward"] for c in r["curve"]]
-        lines.append(f"| {name} | " + " | ".join(f"{x:.2f}" for x in rewards) + f" | {mean(rewards):.2f} |")
+        cells = " | ".join(f"{x:.2f}".replace("-0.00", "0.00") for x in rewards)
+        lines.append(f"| {name} | {cells} | {mean(rewards):.2f} |")
     if meta.get("profile"):
         lines += ["", "Per task (sync run, all steps): model tokens and tool calls per sample:", "",
                   "| task | tool latency | model tokens | tool calls |", "| --- | --- | --- | --- |"]
@@ -179,7 +182,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     out = ROOT / "runs" / "bench_systems"
-    meta = {"model": args.model, "steps": args.steps, "sft_steps": args.sft_steps, "latency_s": LATENCY_S,
+    meta = {"command": " ".join(["python", "benchmarks/systems.py", *sys.argv[1:]]),
+            "model": args.model, "steps": args.steps, "sft_steps": args.sft_steps, "latency_s": LATENCY_S,
             "learner_threads": LEARNER_THREADS,
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "loadavg_before": loadavg()}
     start_model = args.start_model or (warm_start(args.model, args.sft_steps, out) if args.sft_steps else args.model)
