@@ -9,7 +9,9 @@ varies, e.g. one shared with other jobs. Every figure is the median of ``--repea
 
 Bounds, per token of SmolLM2 (N = 134.5M parameters with the tied head counted once):
   rollout: 2N FLOPs per generated token (compute bound) and, per decode step, the bytes of the sampling copy
-    (bf16 body + float32 head) read once for the whole batch (memory bound); the attainable rate is the lower.
+    (bf16 weights, head included) read once for the whole batch (memory bound); the attainable rate is the
+    lower. Measured for the engine's fused decode path (the default) and for the transformers model it replaces,
+    at the quickstart's 2 x 8 rows and at ``--wide-prompts`` x 8 rows.
   training: 6N FLOPs per token (forward + backward) at the bf16 matmul rate.
 """
 
@@ -61,9 +63,9 @@ def model_numbers(model) -> dict[str, float]:
     """Parameter count (tied head once) and the bytes one decode step reads from the engine's sampling copy."""
     params = sum(p.numel() for p in model.parameters())
     head = model.get_output_embeddings().weight.numel()
-    # bf16 copy of everything but the head, which the engine keeps in float32 (embedding lookups are negligible)
-    step_bytes = 2 * (params - head) + 4 * head
-    return {"params": params, "decode_step_bytes": step_bytes}
+    # The fused path reads bf16 weights, head included (embedding lookups and the float32 rescoring of the
+    # top-32 logits per row are negligible); the transformers path reads the head in float32.
+    return {"params": params, "decode_step_bytes": 2 * params, "decode_step_bytes_transformers": 2 * (params + head)}
 
 
 def prompt_ids(tokenizer) -> list[int]:
@@ -121,7 +123,7 @@ def build(model_name: str, micro_batch: int, total_steps: int = 1000):
 
     tokenizer = load_tokenizer(model_name)
     model = load_model(model_name, None, seed=0)
-    engine = HFEngine(model, tokenizer, bf16=True, bf16_weights=True)
+    engine = HFEngine(model, tokenizer, bf16=True, bf16_weights=True)  # fused decode path on Llama-family models
     # The quickstart's objective; a tiny learning rate keeps the weights (and so the samples) nearly fixed.
     learner = Learner(
         model, AlgorithmConfig(track_kl=False), OptimConfig(lr=1e-9, micro_batch_size=micro_batch),
@@ -138,6 +140,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--wide-prompts", type=int, default=8, help="prompts of the wider rollout (x --group rows)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "roofline.json")
     args = ap.parse_args()
@@ -156,6 +159,17 @@ def main() -> None:
     memory_bound = batch * roof_r["mem_read_gbs"] * 1e9 / sizes["decode_step_bytes"]
     print(f"roofline {roof_r}; rollout {rollout:.1f} tok/s, bounds: compute {compute_bound:.0f}, "
           f"memory {memory_bound:.0f}", flush=True)  # shown early: the training half takes longer
+    wide = args.wide_prompts * args.group
+    engine.generate([prompt] * args.wide_prompts, n=args.group, max_new_tokens=8)  # warm-up at this width
+    rollout_wide = measure_rollout(engine, prompt, args.wide_prompts, args.group, args.new_tokens, args.repeats)
+    from polyrl.engines.hf import HFEngine
+
+    reference = HFEngine(model, tokenizer, bf16=True, bf16_weights=True, fast_decode=False)
+    reference.generate([prompt] * args.prompts, n=args.group, max_new_tokens=8)
+    rollout_ref = measure_rollout(reference, prompt, args.prompts, args.group, args.new_tokens, args.repeats)
+    del reference
+    print(f"rollout {wide} rows: {rollout_wide:.1f} tok/s; transformers path at {batch} rows: "
+          f"{rollout_ref:.1f} tok/s", flush=True)
 
     learner.update(trajectories)  # warm-up: optimizer states, allocator
     roof_t = measure_roofline()
@@ -171,6 +185,11 @@ def main() -> None:
             "memory_bound_tokens_per_s": memory_bound,
             "fraction_of_compute_bound": rollout / compute_bound,
             "fraction_of_attainable": rollout / min(compute_bound, memory_bound),
+            "rows": batch,
+            "transformers_path_tokens_per_s": rollout_ref,
+            "wide": {
+                "rows": wide, "tokens_per_s": rollout_wide, "fraction_of_compute_bound": rollout_wide / compute_bound,
+            },
         },
         "training": {
             "tokens_per_s": training, "bound_tokens_per_s": train_bound, "fraction_of_bound": training / train_bound,
@@ -185,6 +204,8 @@ def main() -> None:
     print(f"rollout: {rollout:.1f} tok/s = {r['fraction_of_compute_bound']:.0%} of the bf16 compute bound "
           f"({compute_bound:.0f}), {r['fraction_of_attainable']:.0%} of the attainable "
           f"{min(compute_bound, memory_bound):.0f}")
+    print(f"rollout at {wide} rows: {rollout_wide:.1f} tok/s = {r['wide']['fraction_of_compute_bound']:.0%}; "
+          f"the transformers path at {batch} rows: {rollout_ref:.1f} tok/s")
     print(f"training: {training:.1f} tok/s = {t['fraction_of_bound']:.0%} of the bf16 bound ({train_bound:.0f})")
 
 

@@ -40,7 +40,9 @@ def make_engine(config: Config, policy: PreTrainedModel, tokenizer: PreTrainedTo
             seed=config.train.seed,
         )
     else:
-        engine = HFEngine(policy, tokenizer, bf16=config.model.bf16, bf16_weights=cfg.bf16_weights)
+        engine = HFEngine(
+            policy, tokenizer, bf16=config.model.bf16, bf16_weights=cfg.bf16_weights, fast_decode=cfg.fast_decode
+        )
     if cfg.recompute_logprobs:
         from polyrl.engines.recompute import RecomputeLogprobs
 

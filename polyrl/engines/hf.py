@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from polyrl.engines import llama_decode
 from polyrl.engines.kv_cache import preallocate
 from polyrl.models.forward import decoder_forward
 
@@ -102,6 +103,9 @@ class HFEngine:
     output head), refreshed by ``sync()`` after each update: decoding reads half the bytes per token, which
     is what bounds it on a CPU. Without it, the engine samples from the policy's own weights (under bf16
     autocast when ``bf16``) and ``sync()`` has nothing to do.
+
+    With ``bf16_weights`` and ``fast_decode`` on a Llama-family policy, that copy is the fused one of
+    ``llama_decode.LlamaDecoder`` and prefill and decoding run through it instead of the transformers model.
     """
 
     def __init__(
@@ -111,6 +115,7 @@ class HFEngine:
         bf16: bool = True,
         bf16_weights: bool = False,
         preallocate_cache: bool = True,
+        fast_decode: bool = True,
     ) -> None:
         self.policy = policy
         # False keeps transformers' growing DynamicCache: the reference the preallocated one is tested against.
@@ -119,7 +124,12 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id}
         self.head_weight: torch.Tensor | None = None
-        if bf16_weights:
+        self.fast: llama_decode.LlamaDecoder | None = None
+        if bf16_weights and fast_decode and llama_decode.supports(policy):
+            self.head_weight = policy.get_output_embeddings().weight.detach().clone()
+            self.fast = llama_decode.LlamaDecoder(policy, self.head_weight, torch.bfloat16)
+            self.model, self.bf16 = policy, False
+        elif bf16_weights:
             self.model = bf16_copy(policy)
             self.head_weight = policy.get_output_embeddings().weight.detach().clone()
             self.bf16 = False  # weights are already bf16; autocast would only add casts
@@ -130,6 +140,10 @@ class HFEngine:
     @torch.no_grad()
     def sync(self) -> None:
         """Copy the policy's current weights into the engine (a no-op when they are shared)."""
+        if self.fast is not None:
+            self.head_weight.copy_(self.policy.get_output_embeddings().weight)
+            self.fast.refresh(self.policy)
+            return
         if self.model is self.policy:
             return
         for dst, src in zip(self.model.parameters(), self.policy.parameters(), strict=True):
@@ -180,9 +194,13 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         generator = torch.Generator().manual_seed(seed)
 
-        logits, cache = self._last_logits(input_ids, mask, positions, None)
-        if self.preallocate_cache:
-            cache = preallocate(cache, width + min(max_new_tokens, 128))  # grows by doubling if answers run longer
+        capacity = width + min(max_new_tokens, 128)  # the cache grows by doubling if answers run longer
+        if self.fast is not None:
+            logits, cache = self.fast.prefill(input_ids, mask, positions, capacity)
+        else:
+            logits, cache = self._last_logits(input_ids, mask, positions, None)
+            if self.preallocate_cache:
+                cache = preallocate(cache, capacity)
         if n > 1:
             # One prefill per prompt; its KV cache is shared by the group's samples.
             cache.batch_repeat_interleave(n)
@@ -225,7 +243,10 @@ class HFEngine:
                 cache.batch_select_indices(keep)
                 rows, tok, mask_buf, next_pos = rows[keep], tok[keep], mask_buf[keep], next_pos[keep]
             mask = mask_buf[:, : width + step + 1]
-            logits, cache = self._last_logits(tok[:, None], mask, next_pos[:, None], cache)
+            if self.fast is not None:
+                logits = self.fast.decode(tok, mask, next_pos, cache)
+            else:
+                logits, cache = self._last_logits(tok[:, None], mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
         return [
             Completion(tokens[i], logps[i], finished[i], ents[i] if ents is not None else None, stopped[i])

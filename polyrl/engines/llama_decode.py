@@ -1,0 +1,290 @@
+"""A lean decode path for Llama-family decoders (Llama, Mistral without sliding window, Qwen2).
+
+At the batch sizes of RL groups on a CPU a decode step is bound by per-operation overhead, not by matmuls:
+transformers' layer stack builds masks, dispatches through attention interfaces and cache objects, and keeps
+q, k, v and gate, up as separate matmuls. This module runs the same computation with fewer, larger operations:
+
+- q, k, v are one matmul and gate, up another, on fused copies of the weights (LoRA deltas merged in);
+- in bfloat16 those copies are prepacked into oneDNN's blocked layout, which at 16 rows runs the matmuls
+  about 1.6x faster than ``F.linear`` on the plain layout (same results);
+- rotary embedding is applied to q and k together, once per layer, with cos/sin computed once per step;
+- keys and values are written into preallocated buffers that double when full;
+- grouped-query attention reads each key/value head once: the query heads that share it are passed to SDPA as
+  that head's query rows, so nothing is repeated.
+
+It computes what the transformers model computes (same op order, same dtypes: bf16 residual stream, float32
+RMS statistics, float32 output head); tests/test_llama_decode.py checks logits against it and tokens against the
+reference engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; any row count still works
+
+
+def packing_available() -> bool:
+    """True when this torch build can prepack bfloat16 linear weights for oneDNN (x86 CPUs with AVX-512)."""
+    try:
+        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 ``[out, in]`` weight in oneDNN's blocked layout, for ``packed_linear``."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on a prepacked weight (the op torch.compile emits for CPU linears); ``x`` is 2-D."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _config(model: torch.nn.Module):
+    return model.get_decoder().config if hasattr(model, "get_decoder") else model.config
+
+
+def supports(model: torch.nn.Module) -> bool:
+    """True when ``model`` (plain or with peft LoRA adapters) is a decoder this path computes exactly."""
+    try:
+        cfg = _config(model)
+        layers = model.get_decoder().layers
+    except AttributeError:
+        return False
+    if getattr(cfg, "model_type", None) not in SUPPORTED_TYPES or getattr(cfg, "hidden_act", None) != "silu":
+        return False
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return False  # windowed attention is not implemented here
+    if getattr(cfg, "mlp_bias", False) or getattr(cfg, "pretraining_tp", 1) != 1:
+        return False
+    first = layers[0]
+    return all(hasattr(first.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and not hasattr(
+        first.self_attn, "q_norm"
+    )
+
+
+def effective_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) a linear layer applies, with active, unmerged peft LoRA deltas added in float32."""
+    base = getattr(linear, "base_layer", None)
+    if base is None:
+        return linear.weight.detach(), None if linear.bias is None else linear.bias.detach()
+    weight = base.weight.detach()
+    if not getattr(linear, "merged", False) and not getattr(linear, "disable_adapters", False):
+        weight = weight.float()
+        for name in linear.active_adapters:
+            if name in linear.lora_A:
+                weight = weight + linear.get_delta_weight(name).detach().float()
+    return weight, None if base.bias is None else base.bias.detach()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm: statistics in float32, the scale applied in the input dtype."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class KVBuffers:
+    """Keys and values of every layer in ``[B, kv_heads, capacity, head_dim]`` buffers; ``length`` are filled.
+
+    Offers the two batch edits the engine makes: repeat each row n times (one prefill shared by a group) and
+    keep a subset of rows (finished rows dropped)."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype):
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
+        self.values = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
+        self.length = 0
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for ``capacity`` positions, at least doubling so growth stays amortised O(1) per token."""
+        have = self.keys[0].shape[2]
+        if capacity <= have:
+            return
+        new_cap = max(capacity, 2 * have)
+        for bufs in (self.keys, self.values):
+            for i, old in enumerate(bufs):
+                new = old.new_empty((*old.shape[:2], new_cap, old.shape[-1]))
+                new[:, :, : self.length] = old[:, :, : self.length]
+                bufs[i] = new
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.keys = [k.repeat_interleave(repeats, dim=0) for k in self.keys]
+        self.values = [v.repeat_interleave(repeats, dim=0) for v in self.values]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.keys = [k[indices] for k in self.keys]
+        self.values = [v[indices] for v in self.values]
+
+
+class LlamaDecoder:
+    """Fused copies of a Llama-family policy's weights in ``dtype`` and the prefill / decode passes over them.
+
+    ``head_weight`` is the float32 output head (shared with the caller); with tied embeddings it also serves
+    input lookups, so no second embedding copy is kept. ``refresh(policy)`` copies updated weights in place.
+    """
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        head_weight: torch.Tensor,
+        dtype: torch.dtype = torch.bfloat16,
+        exact_top: int = 32,
+    ):
+        cfg = _config(policy)
+        # Below float32 the head runs in ``dtype`` too and the ``exact_top`` largest logits of each row are
+        # recomputed in float32 (0: the whole head in float32; see ``_head``).
+        self.exact_top = exact_top if dtype != torch.float32 else 0
+        self.packed = dtype == torch.bfloat16 and packing_available()
+        self.linear = packed_linear if self.packed else F.linear
+        self.dtype = dtype
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self.eps = cfg.rms_norm_eps
+        self.qk_width = (self.heads + self.kv_heads) * self.head_dim
+        self.head_weight = head_weight
+        decoder = policy.get_decoder()
+        self.rotary = decoder.rotary_emb
+        self.tied = policy.get_input_embeddings().weight is policy.get_output_embeddings().weight
+        self.embed = None if self.tied else policy.get_input_embeddings().weight.detach().to(dtype).clone()
+        self.layers = [self._fuse(layer) for layer in decoder.layers]
+        self.final_norm = decoder.norm.weight.detach().to(dtype).clone()
+        self.head_low = self._matmul_weight(head_weight.to(dtype)) if self.exact_top else None
+
+    def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        weight = weight.to(self.dtype)
+        return pack(weight) if self.packed else weight.clone()
+
+    def _fuse(self, layer: torch.nn.Module) -> _Layer:
+        att, mlp = layer.self_attn, layer.mlp
+        (q, qb), (k, kb), (v, vb) = (effective_weight(m) for m in (att.q_proj, att.k_proj, att.v_proj))
+        bias = None if qb is None else torch.cat([qb, kb, vb]).to(self.dtype)
+        return _Layer(
+            in_norm=layer.input_layernorm.weight.detach().to(self.dtype).clone(),
+            qkv=self._matmul_weight(torch.cat([q, k, v])),
+            qkv_bias=bias,
+            o=self._matmul_weight(effective_weight(att.o_proj)[0]),
+            post_norm=layer.post_attention_layernorm.weight.detach().to(self.dtype).clone(),
+            gate_up=self._matmul_weight(
+                torch.cat([effective_weight(mlp.gate_proj)[0], effective_weight(mlp.up_proj)[0]])
+            ),
+            down=self._matmul_weight(effective_weight(mlp.down_proj)[0]),
+        )
+
+    @torch.no_grad()
+    def refresh(self, policy: torch.nn.Module) -> None:
+        """Take ``policy``'s current weights (LoRA merged), one layer at a time so memory peaks at one layer."""
+        decoder = policy.get_decoder()
+        for i, layer in enumerate(decoder.layers):
+            self.layers[i] = self._fuse(layer)
+        self.final_norm.copy_(decoder.norm.weight)
+        if self.head_low is not None:
+            self.head_low = self._matmul_weight(self.head_weight)
+        if self.embed is not None:
+            self.embed.copy_(policy.get_input_embeddings().weight)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.head_weight if self.tied else self.embed
+        return F.embedding(ids, table).to(self.dtype)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [B, V] of the final hidden states [B, H].
+
+        A float32 head over a 49k vocabulary costs as much as the whole bf16 body at small batch, but bf16
+        logits are rounded to 1/128 of their magnitude, too coarse for the tokens that carry the probability.
+        So all logits are computed in ``dtype`` and the ``exact_top`` largest of each row are recomputed in
+        float32: the sampled distribution and its recorded log-probs are exact where the mass is and off
+        by the rounding only in the tail."""
+        hidden = rms_norm(x, self.final_norm, self.eps)
+        if self.head_low is None:
+            return F.linear(hidden.float(), self.head_weight)
+        logits = self.linear(hidden, self.head_low).float()
+        top = logits.topk(self.exact_top, dim=-1).indices
+        exact = torch.bmm(self.head_weight[top], hidden.float()[:, :, None]).squeeze(-1)
+        return logits.scatter_(1, top, exact)
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotary(x, positions)  # the model's own rotary module: same frequencies and scaling
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """x + MLP(norm(x)) for 2-D x."""
+        gate, up = self.linear(rms_norm(x, layer.post_norm, self.eps), layer.gate_up).chunk(2, dim=-1)
+        return x + self.linear(F.silu(gate) * up, layer.down)
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, capacity: int
+    ) -> tuple[torch.Tensor, KVBuffers]:
+        """Run left-padded prompts ``[B, T]``; return float32 logits of the last position and the filled cache."""
+        b, t = input_ids.shape
+        x = self._embed(input_ids)
+        cos, sin = self._rope(x, positions)
+        cos, sin = cos[:, :, None], sin[:, :, None]
+        causal = torch.ones((t, t), dtype=torch.bool).tril()
+        # Padding queries attend to themselves only, so no softmax row is empty (an empty one would give NaN).
+        allowed = (causal & mask.bool()[:, None, :]) | torch.eye(t, dtype=torch.bool)
+        allowed = allowed[:, None]
+        kv = KVBuffers(len(self.layers), b, self.kv_heads, max(capacity, t), self.head_dim, self.dtype)
+        nh, d = self.heads, self.head_dim
+        x = x.view(b * t, -1)  # matmuls see rows; attention sees [B, heads, T, d]
+        for i, layer in enumerate(self.layers):
+            qkv = self.linear(rms_norm(x, layer.in_norm, self.eps), layer.qkv, layer.qkv_bias).view(b, t, -1)
+            qk = qkv[..., : self.qk_width].view(b, t, nh + self.kv_heads, d)
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)
+            v = qkv[..., self.qk_width :].view(b, t, self.kv_heads, d).transpose(1, 2)
+            kv.keys[i][:, :, :t] = k
+            kv.values[i][:, :, :t] = v
+            att = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+            x = x + self.linear(att.transpose(1, 2).reshape(b * t, nh * d), layer.o)
+            x = self._mlp(layer, x)
+        kv.length = t
+        return self._head(x.view(b, t, -1)[:, -1]), kv
+
+    @torch.no_grad()
+    def decode(
+        self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, kv: KVBuffers
+    ) -> torch.Tensor:
+        """One token per row (``tokens`` [B], ``positions`` [B]; ``mask`` [B, >= length + 1] marks real keys);
+        appends to ``kv`` and returns float32 logits [B, V]."""
+        b, t = tokens.shape[0], kv.length
+        kv.reserve(t + 1)
+        x = self._embed(tokens)
+        cos, sin = self._rope(x, positions[:, None])  # [B, 1, d]: broadcast over the heads
+        keep = mask[:, : t + 1].bool()[:, None, None, :]
+        nh, kvh, d = self.heads, self.kv_heads, self.head_dim
+        for i, layer in enumerate(self.layers):
+            qkv = self.linear(rms_norm(x, layer.in_norm, self.eps), layer.qkv, layer.qkv_bias)
+            qk = qkv[:, : self.qk_width].view(b, nh + kvh, d)
+            qk = qk * cos + rotate_half(qk) * sin
+            keys, values = kv.keys[i], kv.values[i]
+            keys[:, :, t] = qk[:, nh:]
+            values[:, :, t] = qkv[:, self.qk_width :].view(b, kvh, d)
+            # The nh // kvh query heads sharing a key/value head are that head's query rows.
+            q = qk[:, :nh].view(b, kvh, nh // kvh, d)
+            att = F.scaled_dot_product_attention(q, keys[:, :, : t + 1], values[:, :, : t + 1], attn_mask=keep)
+            x = x + self.linear(att.reshape(b, nh * d), layer.o)
+            x = self._mlp(layer, x)
+        kv.length = t + 1
+        return self._head(x)
