@@ -109,3 +109,25 @@ def test_chunked_head_matches_whole_logits(bf16):
     for a, b in zip(out[True], out[False], strict=True):
         assert a.shape == b.shape
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+
+
+def test_bf16_backward_head_matches_the_float32_head():
+    # Forward exact: log-probs and entropy equal the float32 head's. Backward in bf16 matmuls: every gradient
+    # (body and the tied head) within bf16 rounding of the float32 backward, and the same direction.
+    from polyrl.train.learner import chunked_logprobs, response_hidden
+
+    model = tiny_random_model(seed=5)
+    batch = _batch()
+    out = {}
+    for bf16_backward in (False, True):
+        model.zero_grad(set_to_none=True)
+        hidden = response_hidden(model, batch, True)
+        logp, ent = chunked_logprobs(model, hidden, batch.targets, 0.7, chunk=3, bf16_backward=bf16_backward)
+        (logp * batch.loss_mask * torch.linspace(-1, 2, logp.numel()).view_as(logp)).sum().backward()
+        out[bf16_backward] = (logp.detach(), ent.detach(), _grads(model))
+    assert torch.allclose(out[True][0], out[False][0], atol=1e-6)
+    assert torch.allclose(out[True][1], out[False][1], atol=1e-6)
+    exact, fast = out[False][2], out[True][2]
+    assert fast.norm() > 0 and not torch.equal(fast, exact)  # the bf16 path ran
+    assert (fast - exact).norm() / exact.norm() < 2e-2, (fast - exact).norm() / exact.norm()
+    assert torch.nn.functional.cosine_similarity(fast, exact, dim=0) > 0.999

@@ -23,6 +23,7 @@ from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.config import AlgorithmConfig, OptimConfig
 from polyrl.models.forward import decoder_forward, head_logits
+from polyrl.train.bf16_head import head_logprobs
 from polyrl.types import Trajectory
 
 
@@ -175,17 +176,29 @@ def chunked_logprobs(
     temperature: float,
     entropy_grad: bool = False,
     chunk: int = HEAD_CHUNK,
+    bf16_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``logprobs_from_logits(head_logits(hidden) / temperature)`` over ``chunk`` positions at a time.
 
     Under autograd each chunk is checkpointed: only its hidden states are kept and its logits are recomputed
     in the backward pass, so the float32 [B, R, V] logits (and their softmax and gradient) never exist whole.
-    The cost is one more output-head matmul per position in the backward pass.
+    The cost is one more output-head matmul per position in the backward pass. With ``bf16_backward`` (for
+    bf16-autocast training; not with ``entropy_grad``) each chunk instead keeps its softmax in bf16 and runs
+    the backward matmuls in bf16 (``train/bf16_head.py``): no recomputation, and the rest at twice the rate.
     """
+    head = model.get_output_embeddings()
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    if grad and bf16_backward and not entropy_grad and type(head) is torch.nn.Linear and head.bias is None:
+        weight_bf16 = head.weight.detach().to(torch.bfloat16)
+        parts = [
+            head_logprobs(hidden[:, i : i + chunk], head.weight, weight_bf16, targets[:, i : i + chunk], temperature)
+            for i in range(0, hidden.shape[1], chunk)
+        ]
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
     logps, entropies = [], []
     for i in range(0, hidden.shape[1], chunk):
         args = (model, hidden[:, i : i + chunk], targets[:, i : i + chunk], temperature, entropy_grad)
-        if torch.is_grad_enabled() and hidden.requires_grad:
+        if grad:
             lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, *args, use_reentrant=False)
         else:
             lp, ent = _head_logprobs(*args)
@@ -424,7 +437,13 @@ class Learner:
         if self.teachers and self.algo.distill_coef > 0:
             logits = head_logits(self.model, hidden) / self.temperature
             return (*logprobs_from_logits(logits, batch, entropy_grad), values, logits)
-        return (*chunked_logprobs(self.model, hidden, batch.targets, self.temperature, entropy_grad), values, None)
+        return (
+            *chunked_logprobs(
+                self.model, hidden, batch.targets, self.temperature, entropy_grad, bf16_backward=self.bf16
+            ),
+            values,
+            None,
+        )
 
     def _distill(
         self, mb: Batch, logits: torch.Tensor, tasks: list[str], num_tokens: float
