@@ -88,7 +88,8 @@ def breakdown(steps: int, eval_size: int) -> dict:
         "trainable_weights": tensor_bytes(learner.params),
         "gradients": tensor_bytes(p.grad for p in learner.params),
         "optimizer_states": tensor_bytes(opt_states),
-        "engine_bf16_copy": tensor_bytes(engine.model.parameters()) if engine.model is not run.model else 0,
+        "engine_bf16_copy": engine.fast.nbytes() if engine.fast is not None else (
+            tensor_bytes(engine.model.parameters()) if engine.model is not run.model else 0),
         "engine_float32_head": tensor_bytes([engine.head_weight]),
     }
     return {

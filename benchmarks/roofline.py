@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=16, help="the quickstart's: the whole 2 x 8 batch")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--wide-prompts", type=int, default=8, help="prompts of the wider rollout (x --group rows)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")

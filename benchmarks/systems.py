@@ -179,7 +179,12 @@ def main() -> None:
     parser.add_argument("--start-model", help="a warm-start checkpoint to reuse instead of the SFT steps")
     parser.add_argument("--only", nargs="*", default=list(RUNS))
     parser.add_argument("--no-doc", action="store_true", help="write the results file only")
+    parser.add_argument("--latency-scale", type=float, default=1.0,
+                        help="multiply every tool latency (a sensitivity check: how much waiting async can hide)")
+    parser.add_argument("--tag", default="", help="write benchmarks/results/systems_TAG.json and leave the doc alone")
     args = parser.parse_args()
+    for task in LATENCY_S:
+        LATENCY_S[task] = round(LATENCY_S[task] * args.latency_scale, 3)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     out = ROOT / "runs" / "bench_systems"
     meta = {"command": " ".join(["python", "benchmarks/systems.py", *sys.argv[1:]]),
@@ -197,10 +202,10 @@ def main() -> None:
         print(name, {k: v for k, v in results[name].items() if k != "curve"}, flush=True)
     meta["loadavg_after"] = loadavg()
     meta["profile"] = task_profile(out / "sync")
-    results_path = ROOT / "benchmarks" / "results" / "systems.json"
+    results_path = ROOT / "benchmarks" / "results" / (f"systems_{args.tag}.json" if args.tag else "systems.json")
     results_path.parent.mkdir(parents=True, exist_ok=True)
     results_path.write_text(json.dumps({**meta, "runs": results}, indent=2))
-    if "sync" in results and not args.no_doc:
+    if "sync" in results and not args.no_doc and not args.tag:
         replace_block(ROOT / "docs" / "systems.md", START, END, table(results, meta), "Throughput")
 
 

@@ -60,6 +60,14 @@ class Snapshots:
             )
         return self.train_time >= self.budget
 
+    def finish(self, save) -> None:
+        """Training ended before the budget (polyrl's schedule ran out): snapshot the final weights now."""
+        if self.due:
+            self.due.clear()
+            path = self.out / f"snapshot-{len(self.saved) + 1}"
+            save(path)
+            self.saved.append({"train_time_s": self.train_time, "step": len(self.step_times), "path": str(path)})
+
     def result(self) -> dict:
         return {"steps": len(self.step_times), "step_times": self.step_times, "snapshots": self.saved}
 
@@ -76,6 +84,8 @@ def worker_polyrl(args) -> dict:
         overrides.append(f"optim.lr={args.polyrl_lr}")
     if args.lora:
         overrides += ["model.lora={r: 16, alpha: 32}"]
+    if args.no_dynamic_sampling:
+        overrides += ["algorithm.dynamic_sampling=false"]
     cfg = load_config(QUICKSTART, overrides)
     out = Path(args.out) / "polyrl"
     run = build_run(cfg, out)
@@ -85,12 +95,12 @@ def worker_polyrl(args) -> dict:
         run.model.save_pretrained(path)
         run.tokenizer.save_pretrained(path)
 
-    step = 0
-    while True:
-        step += 1
+    # The config's schedule ends at train.steps (the lr reaches 0 there), as `polyrl train` does.
+    for step in range(1, cfg.train.steps + 1):
         metrics, _ = rl_step(run, step)
         if clock.after_step(metrics["step_time_s"], save):
             break
+    clock.finish(save)
     return clock.result()
 
 
@@ -211,6 +221,9 @@ def main() -> None:
     p.add_argument("--trl-lr", type=float, default=5e-6, help="the learning rate of TRL's measured bar")
     p.add_argument("--lora", action="store_true", help="LoRA r=16 on all linear layers for both")
     p.add_argument("--only", choices=["both", "polyrl", "trl"], default="both")
+    p.add_argument("--no-dynamic-sampling", action="store_true",
+                   help="polyrl without DAPO's extra sampling rounds: the same work per step as TRL's")
+    p.add_argument("--tag", default="", help="write vs_trl_TAG.json and no plot (side runs beside the main one)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_trl_runs"))
     p.add_argument("--worker", choices=["polyrl", "trl"], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -224,7 +237,8 @@ def main() -> None:
     kinds = ["polyrl", "trl"] if args.only == "both" else [args.only]
     runs = {kind: _spawn(kind, args) for kind in kinds}
     out = ROOT / "benchmarks" / "results"
-    previous = json.loads((out / "vs_trl.json").read_text()) if (out / "vs_trl.json").exists() else {}
+    result_file = out / (f"vs_trl_{args.tag}.json" if args.tag else "vs_trl.json")
+    previous = json.loads(result_file.read_text()) if result_file.exists() else {}
     results = {
         "settings": {k: v for k, v in vars(args).items() if k != "worker"},
         "accuracy_before": evaluate_dir(None, args.eval_n),
@@ -246,8 +260,9 @@ def main() -> None:
         for kind, res in previous.get("frameworks", {}).items():
             results["frameworks"].setdefault(kind, res)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "vs_trl.json").write_text(json.dumps(results, indent=2))
-    _plot(results, ROOT / "docs" / "vs_trl.png")
+    result_file.write_text(json.dumps(results, indent=2))
+    if not args.tag:
+        _plot(results, ROOT / "docs" / "vs_trl.png")
 
     print(f"held-out accuracy before training: {100 * results['accuracy_before']:.1f}%")
     print(f"{'framework':<10}{'steps':>7}{'s/step':>9}{'final acc':>11}{'min to 74.5%':>14}")

@@ -204,6 +204,12 @@ class LlamaDecoder:
         if self.embed is not None:
             self.embed.copy_(policy.get_input_embeddings().weight)
 
+    def nbytes(self) -> int:
+        """Bytes of the weights this decoder holds beyond the caller's float32 head."""
+        tensors = [t for layer in self.layers for t in vars(layer).values() if t is not None]
+        tensors += [t for t in (self.final_norm, self.head_low, self.embed) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         table = self.head_weight if self.tied else self.embed
         return F.embedding(ids, table).to(self.dtype)
