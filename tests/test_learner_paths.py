@@ -131,3 +131,26 @@ def test_bf16_backward_head_matches_the_float32_head():
     assert fast.norm() > 0 and not torch.equal(fast, exact)  # the bf16 path ran
     assert (fast - exact).norm() / exact.norm() < 2e-2, (fast - exact).norm() / exact.norm()
     assert torch.nn.functional.cosine_similarity(fast, exact, dim=0) > 0.999
+
+
+def test_micro_batches_change_no_update():
+    # Micro-batches are cut from the batch sorted by prompt length and group (so a group's shared prompt is
+    # computed once): any micro-batch size gives the same loss and the same gradient as one batch.
+    from polyrl.config import AlgorithmConfig, OptimConfig
+    from polyrl.train.learner import Learner
+
+    p1, p2 = [5, 6, 7, 8, 9, 10, 11], [12, 13]
+    trajs = [_traj(p1 if g % 2 else p2, [20 + i, 21, 22][: 1 + (i + g) % 3], g) for g in range(4) for i in range(3)]
+    for i, t in enumerate(trajs):
+        t.advantage = (-1.0) ** i * (1 + i % 3) / 3
+    result = {}
+    for micro in (1, 4, 12):
+        model = tiny_random_model(seed=2)
+        learner = Learner(model, AlgorithmConfig(track_kl=False), OptimConfig(lr=1e-3, micro_batch_size=micro),
+                          1.0, False, pad_id=2)
+        metrics = learner.update(list(reversed(trajs)))
+        result[micro] = (metrics["loss"], _grads(model))  # the update leaves the step's gradient in .grad
+    assert result[12][1].norm() > 0
+    for micro in (1, 4):
+        assert abs(result[micro][0] - result[12][0]) < 1e-5
+        assert torch.allclose(result[micro][1], result[12][1], atol=1e-6, rtol=1e-4)

@@ -251,8 +251,9 @@ class Learner:
             self.value_head = ValueHead(model.get_output_embeddings().in_features, algo.value_width)
             head_params = list(self.value_head.parameters())
             groups.append({"params": head_params, "lr": algo.value_lr, "weight_decay": 0.0})
+        # fused: one kernel per parameter instead of a dozen elementwise passes (several times faster on a CPU).
         self.optimizer = torch.optim.AdamW(
-            groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay
+            groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=True
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, partial(lr_factor, warmup=optim.warmup_steps, total=total_steps, kind=optim.schedule)
@@ -291,8 +292,11 @@ class Learner:
         """One optimisation round (``algo.epochs`` passes over the batch, one optimizer step each)."""
         algo, micro = self.algo, self.optim_cfg.micro_batch_size
         self.model.train()
-        # Similar lengths share a micro-batch, so each pads only to its own longest response.
-        trajectories = sorted(trajectories, key=lambda t: len(t.input_ids) - t.prompt_len)
+        # Micro-batches hold whole groups of similar prompt length, then similar response lengths: each pads
+        # only to its own longest prompt and response, and computes each shared prompt once (not once per
+        # micro-batch that one of its rows lands in). Mixed tasks (a 50-token prompt beside a 250-token one
+        # with tool instructions) otherwise pad every short row to the long prompt.
+        trajectories = sorted(trajectories, key=lambda t: (t.prompt_len, t.group_id, len(t.input_ids) - t.prompt_len))
         batch = collate(trajectories, self.pad_id)
         if algo.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward misjudges its tokens
             keep = torch.tensor([not t.truncated for t in trajectories], dtype=batch.loss_mask.dtype)

@@ -82,7 +82,7 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=seed)
     params = [p for p in model.parameters() if p.requires_grad]
     o = config.optim
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, partial(lr_factor, warmup=o.warmup_steps, total=config.train.steps, kind=o.schedule)
     )
