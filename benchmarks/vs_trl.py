@@ -53,20 +53,19 @@ class Snapshots:
         self.train_time += seconds
         while self.due and self.train_time >= self.due[0] - 1e-9:
             self.due.pop(0)
-            path = self.out / f"snapshot-{len(self.saved) + 1}"
-            save(path)
-            self.saved.append(
-                {"train_time_s": self.train_time, "step": len(self.step_times), "path": str(path)}
-            )
+            self._snapshot(save)
         return self.train_time >= self.budget
 
     def finish(self, save) -> None:
         """Training ended before the budget (polyrl's schedule ran out): snapshot the final weights now."""
         if self.due:
             self.due.clear()
-            path = self.out / f"snapshot-{len(self.saved) + 1}"
-            save(path)
-            self.saved.append({"train_time_s": self.train_time, "step": len(self.step_times), "path": str(path)})
+            self._snapshot(save)
+
+    def _snapshot(self, save) -> None:
+        path = self.out / f"snapshot-{len(self.saved) + 1}"
+        save(path)
+        self.saved.append({"train_time_s": self.train_time, "step": len(self.step_times), "path": str(path)})
 
     def result(self) -> dict:
         return {"steps": len(self.step_times), "step_times": self.step_times, "snapshots": self.saved}

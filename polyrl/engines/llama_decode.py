@@ -170,11 +170,12 @@ class LlamaDecoder:
         self.embed = None if self.tied else policy.get_input_embeddings().weight.detach().to(dtype).clone()
         self.layers = [self._fuse(layer) for layer in decoder.layers]
         self.final_norm = decoder.norm.weight.detach().to(dtype).clone()
-        self.head_low = self._matmul_weight(head_weight.to(dtype)) if self.exact_top else None
+        self.head_low = self._matmul_weight(head_weight) if self.exact_top else None
 
     def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        weight = weight.to(self.dtype)
-        return pack(weight) if self.packed else weight.clone()
+        """Our own copy of ``weight`` in ``dtype``, prepacked when packing is on."""
+        weight = weight.to(self.dtype, copy=True)
+        return pack(weight) if self.packed else weight
 
     def _fuse(self, layer: torch.nn.Module) -> _Layer:
         att, mlp = layer.self_attn, layer.mlp

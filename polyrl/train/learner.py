@@ -296,7 +296,9 @@ class Learner:
         # only to its own longest prompt and response, and computes each shared prompt once (not once per
         # micro-batch that one of its rows lands in). Mixed tasks (a 50-token prompt beside a 250-token one
         # with tool instructions) otherwise pad every short row to the long prompt.
-        trajectories = sorted(trajectories, key=lambda t: (t.prompt_len, t.group_id, len(t.input_ids) - t.prompt_len))
+        trajectories = sorted(
+            trajectories, key=lambda t: (p := t.prompt_len, t.group_id, len(t.input_ids) - p)
+        )
         batch = collate(trajectories, self.pad_id)
         if algo.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward misjudges its tokens
             keep = torch.tensor([not t.truncated for t in trajectories], dtype=batch.loss_mask.dtype)
