@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polyrl.engines.hf import HFEngine, inverse_cdf, sample_tokens
+from polyrl.engines.hf import HFEngine, blocked_inverse_cdf, inverse_cdf, sample_tokens
 from polyrl.models.loading import load_model, load_tokenizer
 
 
@@ -73,6 +73,22 @@ def test_inverse_cdf_picks_the_bucket_of_u():
     cases = {0.0: 0, 0.099: 0, 0.1: 2, 0.39: 2, 0.4: 3, 0.999999: 3}
     for u, want in cases.items():
         assert int(inverse_cdf(w, torch.tensor([[u]]), 3)) == want, u  # index 1 has no weight: never picked
+
+
+@pytest.mark.parametrize("vocab", [1000, 1024])  # padded to whole blocks, and not
+def test_blocked_inverse_cdf_picks_what_the_flat_one_picks(vocab):
+    gen = torch.Generator().manual_seed(0)
+    weights = torch.rand((64, vocab), generator=gen) ** 8  # uneven, like a softmax
+    weights[:, ::7] = 0.0  # entries without weight are never chosen
+    weights[:, -3:] = 0.0  # nor past the last weighted one, even at u close to 1
+    u = torch.rand((64, 1), generator=gen)
+    u[0], u[1] = 0.0, 1.0 - 1e-7
+    got, total = blocked_inverse_cdf(weights, u, block=64)
+    want = inverse_cdf(weights, u, vocab - 1).squeeze(-1)
+    # Float sums in another order can move a draw across a boundary only when u lands within rounding of it.
+    assert (got == want).float().mean() > 0.95
+    assert (weights.gather(1, got[:, None]) > 0).all()
+    assert torch.allclose(total.squeeze(-1), weights.sum(-1), rtol=1e-5)
 
 
 def test_sampling_follows_softmax_and_top_p():

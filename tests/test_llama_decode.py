@@ -116,6 +116,22 @@ def test_packed_weights_give_the_same_logits(tiny, monkeypatch):
     assert torch.allclose(packed, plain, atol=1e-6)
 
 
+def test_blocked_topk_finds_the_largest_entries():
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (49152, 1000):  # blocked, and the plain-topk fallback (not a multiple of the block)
+        x = torch.randn((16, vocab), generator=gen)
+        x[3, :64] = 10.0  # all of one row's top entries in a single block
+        got = llama_decode.blocked_topk(x, 32)
+        assert torch.equal(got.sort(-1).values, x.topk(32, dim=-1).indices.sort(-1).values)
+
+
+def test_rms_norm_on_bf16_rounds_once_like_transformers():
+    x = torch.randn((64, 576), generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
+    weight = torch.rand(576).to(torch.bfloat16) + 0.5
+    want = weight * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert torch.equal(llama_decode.rms_norm(x, weight, 1e-5), want)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_engine_generates_what_the_reference_engine_generates(tiny, temperature):
     """Group sharing, row dropping and the stop predicate on the fused path (float32, so the comparison is

@@ -58,18 +58,21 @@ def sample_tokens(
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    probs = logprobs.exp()
-    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=probs.dtype)
+    scaled = logits / temperature if temperature != 1.0 else logits
+    u = torch.rand((scaled.shape[0], 1), generator=generator, dtype=scaled.dtype)
     if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        logprobs = torch.log_softmax(scaled, dim=-1)
+        sorted_probs, order = logprobs.exp().sort(dim=-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         kept = sorted_probs.cumsum(-1) - sorted_probs <= top_p
         picked = inverse_cdf(sorted_probs * kept, u, kept.sum(-1, keepdim=True) - 1)
         tokens = order.gather(-1, picked).squeeze(-1)
-    else:
-        tokens = inverse_cdf(probs, u, probs.shape[-1] - 1).squeeze(-1)
-    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    # Unnormalised weights exp(x - max): the softmax without its division, log-probs from the same sums.
+    top = scaled.amax(-1, keepdim=True)
+    weights = (scaled - top).exp_()
+    tokens, total = blocked_inverse_cdf(weights, u)
+    return tokens, (scaled.gather(-1, tokens[:, None]) - top - total.log()).squeeze(-1)
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, last: torch.Tensor | int) -> torch.Tensor:
@@ -81,6 +84,29 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor, last: torch.Tensor | int
     cdf = weights.cumsum(-1)
     idx = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
     return torch.minimum(idx, torch.as_tensor(last))
+
+
+def _last_positive(cdf: torch.Tensor) -> torch.Tensor:
+    """Index of each row's last entry with weight, from its running sum ([B, 1])."""
+    return (cdf < cdf[:, -1:]).sum(-1, keepdim=True)
+
+
+def blocked_inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """``inverse_cdf`` in two levels: the block of ``block`` entries holding u * total from the blocks' sums,
+    then the entry within that block. A running sum over the whole 49k vocabulary is one sequential pass per row;
+    block sums vectorise, and the two running sums left are 1/256 of it. Returns (index [B], total [B, 1]);
+    zero-weight entries are never chosen."""
+    b, v = weights.shape
+    pad = -v % block
+    blocks = (F.pad(weights, (0, pad)) if pad else weights).view(b, -1, block)
+    cdf = blocks.sum(-1).cumsum(-1)
+    total = cdf[:, -1:]
+    target = u * total
+    j = torch.minimum(torch.searchsorted(cdf, target, right=True), _last_positive(cdf))
+    before = torch.where(j > 0, cdf.gather(-1, (j - 1).clamp(min=0)), 0.0)
+    inner = blocks.gather(1, j[:, :, None].expand(-1, -1, block)).squeeze(1).cumsum(-1)
+    k = torch.minimum(torch.searchsorted(inner, target - before, right=True), _last_positive(inner))
+    return (j * block + k).squeeze(-1), total
 
 
 def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
