@@ -12,7 +12,11 @@ Bounds, per token of SmolLM2 (N = 134.5M parameters with the tied head counted o
     (bf16 weights, head included) read once for the whole batch (memory bound); the attainable rate is the
     lower. Measured for the engine's fused decode path (the default) and for the transformers model it replaces,
     at the quickstart's 2 x 8 rows and at ``--wide-prompts`` x 8 rows.
-  training: 6N FLOPs per token (forward + backward) at the bf16 matmul rate.
+  training: 6N FLOPs per token (forward + backward) at the bf16 matmul rate, applied two ways. Per trajectory
+    token (prompt + response of every sample; the rate the loop logs as train/tokens_per_s): more than the
+    hardware does, since the learner runs a group's shared prompt once. Per position the learner computes
+    (each group's prompt once, each response), with the output head counted only on response positions, where
+    it runs: the hardware utilisation. Also measured with prompt sharing off (every position computed).
 """
 
 from __future__ import annotations
@@ -110,17 +114,32 @@ def rollout_trajectories(engine, prompt: list[int], prompts: int, group: int, ne
 
 
 def measure_training(learner, trajectories: list, repeats: int) -> float:
-    """Tokens (prompt + response) per second of ``Learner.update``, the figure the loop logs as train/tokens_per_s."""
-    tokens = sum(len(t.input_ids) for t in trajectories)
-    return tokens / median_time(lambda: learner.update(trajectories), repeats, warmup=False)
+    """Seconds of one ``Learner.update`` over ``trajectories`` (median)."""
+    return median_time(lambda: learner.update(trajectories), repeats, warmup=False)
+
+
+def training_flops(model, trajectories: list, share_prefix: bool = True) -> dict[str, float]:
+    """Positions and FLOPs one update computes: the decoder body (6 x its parameters) at every position it
+    runs, the output head (6 x vocab x hidden) at response positions only. With ``share_prefix`` each distinct
+    prompt runs once (``learner.response_hidden``)."""
+    head = model.get_output_embeddings().weight.numel()
+    body = sum(p.numel() for p in model.parameters()) - head  # tied: the embedding table is the head
+    prompts = {tuple(t.input_ids[: t.prompt_len]) for t in trajectories} if share_prefix else None
+    prompt_positions = (sum(map(len, prompts)) if share_prefix
+                        else sum(t.prompt_len for t in trajectories))
+    response_positions = sum(len(t.input_ids) - t.prompt_len for t in trajectories)
+    positions = prompt_positions + response_positions
+    return {"positions": positions, "flops": 6 * body * positions + 6 * head * response_positions}
 
 
 def build(model_name: str, micro_batch: int, total_steps: int = 1000):
     from polyrl.config import AlgorithmConfig, OptimConfig
     from polyrl.engines.hf import HFEngine
     from polyrl.models.loading import load_model, load_tokenizer
+    from polyrl.runtime.allocator import keep_freed_memory
     from polyrl.train.learner import Learner
 
+    keep_freed_memory()  # as every training run does (runtime.keep_freed_memory)
     tokenizer = load_tokenizer(model_name)
     model = load_model(model_name, None, seed=0)
     engine = HFEngine(model, tokenizer, bf16=True, bf16_weights=True)  # fused decode path on Llama-family models
@@ -143,6 +162,7 @@ def main() -> None:
     ap.add_argument("--wide-prompts", type=int, default=8, help="prompts of the wider rollout (x --group rows)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "roofline.json")
+    ap.add_argument("--skip-unshared", action="store_true", help="skip the training run with prompt sharing off")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -173,8 +193,26 @@ def main() -> None:
 
     learner.update(trajectories)  # warm-up: optimizer states, allocator
     roof_t = measure_roofline()
-    training = measure_training(learner, trajectories, args.repeats)
-    train_bound = roof_t["matmul_gflops_bf16"] * 1e9 / (6 * sizes["params"])
+    peak = roof_t["matmul_gflops_bf16"] * 1e9
+    train_s = measure_training(learner, trajectories, args.repeats)
+    tokens = sum(len(t.input_ids) for t in trajectories)
+    training, train_bound = tokens / train_s, peak / (6 * sizes["params"])
+    shared = training_flops(model, trajectories)
+    unshared_result = None
+    if not args.skip_unshared:
+        import polyrl.train.learner as learner_module
+
+        plain = learner_module.response_hidden
+        learner_module.response_hidden = lambda *a, **k: plain(*a, **{**k, "share_prefix": False})
+        try:
+            learner.update(trajectories)
+            unshared_s = measure_training(learner, trajectories, args.repeats)
+        finally:
+            learner_module.response_hidden = plain
+        unshared = training_flops(model, trajectories, share_prefix=False)
+        unshared_result = {"seconds_per_update": unshared_s, "tokens_per_s": tokens / unshared_s,
+                           "positions": unshared["positions"],
+                           "utilisation": unshared["flops"] / unshared_s / peak}
 
     result = {
         "model": args.model, **sizes, "threads": torch.get_num_threads(), "machine": platform.processor()
@@ -193,7 +231,10 @@ def main() -> None:
         },
         "training": {
             "tokens_per_s": training, "bound_tokens_per_s": train_bound, "fraction_of_bound": training / train_bound,
-            "tokens_per_update": sum(len(t.input_ids) for t in trajectories),
+            "tokens_per_update": tokens, "seconds_per_update": train_s,
+            "positions_computed": shared["positions"], "positions_per_s": shared["positions"] / train_s,
+            "utilisation": shared["flops"] / train_s / peak,
+            "prompt_sharing_off": unshared_result,
         },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -206,7 +247,11 @@ def main() -> None:
           f"{min(compute_bound, memory_bound):.0f}")
     print(f"rollout at {wide} rows: {rollout_wide:.1f} tok/s = {r['wide']['fraction_of_compute_bound']:.0%}; "
           f"the transformers path at {batch} rows: {rollout_ref:.1f} tok/s")
-    print(f"training: {training:.1f} tok/s = {t['fraction_of_bound']:.0%} of the bf16 bound ({train_bound:.0f})")
+    print(f"training: {training:.1f} trajectory tok/s = {t['fraction_of_bound']:.0%} of the bf16 bound "
+          f"({train_bound:.0f}); {t['positions_per_s']:.1f} computed positions/s, utilisation {t['utilisation']:.0%}")
+    if unshared_result:
+        print(f"training, prompt sharing off: {unshared_result['tokens_per_s']:.1f} tok/s, "
+              f"utilisation {unshared_result['utilisation']:.0%}")
 
 
 if __name__ == "__main__":

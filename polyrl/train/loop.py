@@ -27,6 +27,7 @@ from polyrl.observe.progress import TrainProgress
 from polyrl.observe.report import write_report_safely
 from polyrl.rollout.multi_turn import evaluate, rollout_metrics
 from polyrl.runtime import make_stepper
+from polyrl.runtime.allocator import keep_freed_memory
 from polyrl.train import faults
 from polyrl.train.agents import AgentFeatures
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
@@ -57,6 +58,8 @@ class Run:
 
 
 def build_run(config: Config, run_dir: Path) -> Run:
+    if config.runtime.keep_freed_memory:  # before the model's weights: every process of a run builds one here
+        keep_freed_memory()
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.model.name)
     model = load_model(config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16)

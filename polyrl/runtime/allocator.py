@@ -1,0 +1,43 @@
+"""Keep freed memory in the process instead of handing it back to the OS (glibc on Linux).
+
+An RL step allocates and frees the same large tensors again and again: the output head's float32 logits of a
+chunk of positions (16 rows x 16 positions x 49k vocabulary = 50 MB), its bf16 softmax, the bf16 copy of the
+head's weights, the gradient of that copy. glibc serves every block above its mmap threshold (at most 32 MB by
+default) with a fresh mapping and unmaps it on free, so each of those tensors page-faults its whole size in on
+first touch, every step. Raising the mmap and trim thresholds lets such blocks come from the heap and be reused:
+measured on SmolLM2-135M, a 16-row update went from 5.2-6.8 s to 3.8-4.0 s, for about 0.3 GB more peak memory
+(docs/performance.md, "Memory allocator").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers (malloc.h)
+_LARGEST = 2**31 - 1  # mallopt takes an int
+_applied = False
+
+
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds for this process, once; True when they are in effect.
+
+    Does nothing (False) off Linux, on another C library, or when the environment already sets
+    ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` (the user's choice wins)."""
+    global _applied
+    if _applied:
+        return True
+    if not sys.platform.startswith("linux") or any(
+        k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
+    ):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and others have no mallopt
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    _applied = bool(mallopt(_M_MMAP_THRESHOLD, _LARGEST)) and bool(mallopt(_M_TRIM_THRESHOLD, _LARGEST))
+    return _applied
