@@ -20,7 +20,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbe
 MMAP_THRESHOLD = 2**31 - 1  # the largest int mallopt takes: every block comes from the heap
 TRIM_THRESHOLD = 2**30
 """Free memory at the heap's top beyond this goes back to the OS. 256 MB still left ~150k page faults per
-16-row update, 1 GB almost none (2 GB: none, but the quickstart's peak grew by 0.9 GB)."""
+16-row update, 1 GB almost none (2 GB: none, but the quickstart's peak grew by 0.8 GB)."""
 _applied = False
 
 
