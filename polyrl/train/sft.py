@@ -25,6 +25,7 @@ from polyrl.envs.base import Task, make_task
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.observe.metrics import open_metrics_logger
 from polyrl.rollout.render import ChatRenderer
+from polyrl.runtime.allocator import keep_freed_memory
 from polyrl.train import faults
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.train.demonstrations import demonstration_example
@@ -74,6 +75,8 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
     (as many sequences as an RL step); writes metrics.jsonl, checkpoints and summary.json like ``train``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
+    if config.runtime.keep_freed_memory:  # as build_run does for RL runs
+        keep_freed_memory()
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.model.name)
     model = load_model(config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16)
