@@ -14,7 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.config import LoraConfig
-from polyrl.models.forward import use_float32_attention
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +169,6 @@ def load_model(name: str, lora: LoraConfig | None = None, seed: int = 0, bf16: b
             return PeftModel.from_pretrained(base, path, is_trainable=lora is not None)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = True
-    use_float32_attention(model)
     # Adapter checkpoints record this as their base, so an alias stays an alias.
     model.config._name_or_path = name
     if lora is not None:
