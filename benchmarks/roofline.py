@@ -200,15 +200,10 @@ def main() -> None:
     shared = training_flops(model, trajectories)
     unshared_result = None
     if not args.skip_unshared:
-        import polyrl.train.learner as learner_module
-
-        plain = learner_module.response_hidden
-        learner_module.response_hidden = lambda *a, **k: plain(*a, **{**k, "share_prefix": False})
-        try:
-            learner.update(trajectories)
-            unshared_s = measure_training(learner, trajectories, args.repeats)
-        finally:
-            learner_module.response_hidden = plain
+        learner.share_prefix = False
+        learner.update(trajectories)
+        unshared_s = measure_training(learner, trajectories, args.repeats)
+        learner.share_prefix = True
         unshared = training_flops(model, trajectories, share_prefix=False)
         unshared_result = {"seconds_per_update": unshared_s, "tokens_per_s": tokens / unshared_s,
                            "positions": unshared["positions"],

@@ -219,6 +219,8 @@ def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
 
 class Learner:
     replay_is_cap: float = 1.0
+    share_prefix: bool = True
+    """Run a group's shared prompt once (``response_hidden``); off only to measure what that saves."""
     """Truncation of replayed samples' importance weights (``agents.replay.is_cap``)."""
 
     def __init__(
@@ -286,7 +288,7 @@ class Learner:
         if self.is_lora:
             with self.model.disable_adapter():
                 return self._logprobs(batch)[0]
-        return token_logprobs(self.ref_model, batch, self.temperature, self.bf16)[0]
+        return token_logprobs(self.ref_model, batch, self.temperature, self.bf16, share_prefix=self.share_prefix)[0]
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One optimisation round (``algo.epochs`` passes over the batch, one optimizer step each)."""
@@ -436,7 +438,7 @@ class Learner:
         """Policy log-probs, entropy, the value of each response position when there is a critic, and the
         logits when distillation needs them (it compares whole distributions); otherwise the output head runs
         in chunks of positions (``chunked_logprobs``) and the logits are None."""
-        hidden = response_hidden(self.model, batch, self.bf16)
+        hidden = response_hidden(self.model, batch, self.bf16, self.share_prefix)
         values = None
         if self.value_head is not None:  # the critic reads the head's (detached) float32 input
             values = self.value_head(hidden.detach().float())
@@ -471,7 +473,7 @@ class Learner:
                                num_tokens)
 
     def _logprobs(self, batch: Batch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs(self.model, batch, self.temperature, self.bf16, entropy_grad)
+        return token_logprobs(self.model, batch, self.temperature, self.bf16, entropy_grad, self.share_prefix)
 
 
 def _detach(x: torch.Tensor | None) -> torch.Tensor | None:
