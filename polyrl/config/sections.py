@@ -27,6 +27,10 @@ class ModelConfig(_Strict):
     lora: LoraConfig | None = None
     bf16: bool = True
     """Run matmuls under bf16 autocast (weights and optimizer stay float32)."""
+    float32_attention: bool = True
+    """Under bf16 autocast on a CPU, run attention over several positions (training, prefill) in float32:
+    more exact, and torch's CPU flash kernel runs it faster than bf16, above all its backward
+    (docs/performance.md). Decoding one token at a time keeps bf16."""
     system_prompt: str | None = None
     """Overrides the chat template's default system message when set."""
 

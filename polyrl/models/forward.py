@@ -12,6 +12,46 @@ import contextlib
 import torch
 from transformers import PreTrainedModel
 
+FLOAT32_SDPA = "sdpa_float32"
+
+
+def float32_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, run in float32 on a CPU where it would run in bf16 (under bf16 autocast, or
+    on bf16 weights), for more than one query position.
+
+    torch's CPU flash-attention kernel runs float32 faster than bf16 at these sizes, forward and backward
+    (16 rows, 9 heads over 3 key/value heads, 64 queries x 108 keys: 9.7 against 18.4 ms; 256 x 256: 29.6
+    against 34.6 ms), and more exactly; the casts cost far less. Single-token decoding keeps bf16: there the
+    whole cached keys and values would be cast for one query."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    autocast = torch.is_autocast_enabled("cpu")
+    low = autocast or query.dtype != torch.float32
+    if query.device.type != "cpu" or query.shape[2] == 1 or not low:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    with torch.autocast("cpu", enabled=False):
+        out, weights = sdpa_attention_forward(
+            module, query.float(), key.float(), value.float(), attention_mask, **kwargs
+        )
+    # Under autocast the next matmul casts for itself; bf16 weights need bf16 input.
+    return (out if autocast else out.to(query.dtype)), weights
+
+
+def use_float32_attention(model: PreTrainedModel) -> bool:
+    """Route ``model``'s SDPA attention through ``float32_sdpa``; False (unchanged) for other implementations."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+        return False
+    AttentionInterface.register(FLOAT32_SDPA, float32_sdpa)
+    # The same masks as SDPA's: an attention name without a mask function gets no mask at all (padding unseen).
+    AttentionMaskInterface.register(FLOAT32_SDPA, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model.set_attn_implementation(FLOAT32_SDPA)
+    return True
+
 
 def autocast_context(bf16: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.config import LoraConfig
+from polyrl.models.forward import use_float32_attention
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +151,13 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
         raise ValueError(f"model '{name}': its chat template does not render: {detail}") from None
 
 
-def load_model(name: str, lora: LoraConfig | None = None, seed: int = 0, bf16: bool = False) -> PreTrainedModel:
+def load_model(
+    name: str, lora: LoraConfig | None = None, seed: int = 0, bf16: bool = False, float32_attention: bool = True
+) -> PreTrainedModel:
     """Load the policy in float32 (bf16 is applied as autocast, so optimizer states stay exact). With LoRA,
     ``bf16`` (autocast on) and ``lora.bf16_base``, the frozen base weights of the adapted layers are stored in
-    bfloat16 (``frozen_base_to_bf16``)."""
+    bfloat16 (``frozen_base_to_bf16``). ``float32_attention``: attention over several positions runs in
+    float32 where autocast would run it in bf16 (``models/forward.py``)."""
     _quiet_transformers()
     if name == TINY_ALIAS:
         model = tiny_random_model(seed)
@@ -165,10 +169,12 @@ def load_model(name: str, lora: LoraConfig | None = None, seed: int = 0, bf16: b
             from peft import PeftModel
 
             base_name = json.loads(adapter_cfg.read_text())["base_model_name_or_path"]
-            base = load_model(base_name, None, seed)
+            base = load_model(base_name, None, seed, float32_attention=float32_attention)
             return PeftModel.from_pretrained(base, path, is_trainable=lora is not None)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = True
+    if float32_attention:
+        use_float32_attention(model)
     # Adapter checkpoints record this as their base, so an alias stays an alias.
     model.config._name_or_path = name
     if lora is not None:

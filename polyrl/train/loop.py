@@ -62,7 +62,10 @@ def build_run(config: Config, run_dir: Path) -> Run:
         keep_freed_memory()
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.model.name)
-    model = load_model(config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16)
+    model = load_model(
+        config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16,
+        float32_attention=config.model.float32_attention,
+    )
     tasks = {
         t.name: make_task(t, config.train.seed, config.model.system_prompt, tokenizer) for t in config.tasks
     }

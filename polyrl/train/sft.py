@@ -79,7 +79,10 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
         keep_freed_memory()
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.model.name)
-    model = load_model(config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16)
+    model = load_model(
+        config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16,
+        float32_attention=config.model.float32_attention,
+    )
     seed, system_prompt = config.train.seed, config.model.system_prompt
     tasks = {t.name: make_task(t, seed, system_prompt, tokenizer) for t in config.tasks}
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=seed)
