@@ -1,8 +1,5 @@
-"""The learner: turns scored trajectories into one optimizer update.
-
-Batches are laid out as [left-padded prompt | right-padded response], so the output head runs only on
-response positions and every sequence's first model token sits in the same column.
-"""
+"""The learner: turns scored trajectories into one optimizer update (batches: ``train/batch.py``; the body's
+forward pass: ``train/forward_pass.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +7,6 @@ import contextlib
 import copy
 import math
 import warnings
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -22,105 +18,11 @@ from polyrl.algorithms.corrections import correct_off_policy, truncated_importan
 from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.config import AlgorithmConfig, OptimConfig
-from polyrl.models.forward import decoder_forward, head_logits
+from polyrl.models.forward import head_logits
+from polyrl.train.batch import Batch, collate
 from polyrl.train.bf16_head import head_logprobs
+from polyrl.train.forward_pass import response_hidden
 from polyrl.types import Trajectory
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor  # [B, L]
-    attention_mask: torch.Tensor  # [B, L]
-    position_ids: torch.Tensor  # [B, L]
-    targets: torch.Tensor  # [B, R] token ids at response positions
-    loss_mask: torch.Tensor  # [B, R]
-    behaviour_logp: torch.Tensor  # [B, R]
-    advantages: torch.Tensor  # [B], or [B, R] when some trajectory has token_advantages
-    replayed: torch.Tensor  # [B] bool: stored samples whose behaviour log-probs come from an older policy
-
-    @property
-    def response_len(self) -> int:
-        return self.targets.shape[1]
-
-    def rows(self, idx: slice) -> Batch:
-        """The rows ``idx``, with the columns that are padding in every one of them cut away."""
-        sub = Batch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
-        s = sub.input_ids.shape[1] - sub.response_len
-        used = sub.attention_mask.bool().any(dim=0)
-        left = int(used[:s].float().argmax()) if s else 0  # first prompt column any row uses
-        right = int(used[s:].nonzero().max()) + 1 if used[s:].any() else 1  # response columns in use
-        return Batch(
-            input_ids=sub.input_ids[:, left : s + right],
-            attention_mask=sub.attention_mask[:, left : s + right],
-            position_ids=sub.position_ids[:, left : s + right],
-            targets=sub.targets[:, :right],
-            loss_mask=sub.loss_mask[:, :right],
-            behaviour_logp=sub.behaviour_logp[:, :right],
-            advantages=sub.advantages[:, :right] if sub.advantages.dim() == 2 else sub.advantages,
-            replayed=sub.replayed,
-        )
-
-
-def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
-    starts = [t.prompt_len for t in trajectories]
-    width_left = max(starts)
-    width_right = max(len(t.input_ids) - s for t, s in zip(trajectories, starts, strict=True))
-    b, length = len(trajectories), width_left + width_right
-    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, length), dtype=torch.long)
-    loss_mask = torch.zeros((b, width_right), dtype=torch.float32)
-    behaviour = torch.zeros((b, width_right), dtype=torch.float32)
-    for i, (t, s) in enumerate(zip(trajectories, starts, strict=True)):
-        n_resp = len(t.input_ids) - s
-        lo, hi = width_left - s, width_left + n_resp
-        input_ids[i, lo:hi] = torch.tensor(t.input_ids)
-        attn[i, lo:hi] = 1
-        loss_mask[i, :n_resp] = torch.tensor(t.loss_mask[s:], dtype=torch.float32)
-        behaviour[i, :n_resp] = torch.tensor(t.logprobs[s:], dtype=torch.float32)
-        if t.info.get("parent_id") is not None:
-            # An ARPO branch's copied prefix is trained once, in the leaf it was generated in (which carries
-            # the attributed advantage); counting it again per leaf would weight shared tokens by their copies.
-            loss_mask[i, : max(0, int(t.info["branch_at"]) - s)] = 0.0
-    if any(t.token_advantages is not None for t in trajectories):
-        advantages = torch.zeros((b, width_right), dtype=torch.float32)
-        for i, (t, s) in enumerate(zip(trajectories, starts, strict=True)):
-            per_token = t.token_advantages or [t.advantage] * len(t.input_ids)
-            advantages[i, : len(t.input_ids) - s] = torch.tensor(per_token[s:], dtype=torch.float32)
-    else:
-        advantages = torch.tensor([t.advantage for t in trajectories], dtype=torch.float32)
-    return Batch(
-        input_ids=input_ids,
-        attention_mask=attn,
-        position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-        targets=input_ids[:, width_left:],
-        loss_mask=loss_mask,
-        behaviour_logp=behaviour,
-        advantages=advantages,
-        replayed=torch.tensor([t.replayed for t in trajectories], dtype=torch.bool),
-    )
-
-
-def response_hidden(model: PreTrainedModel, batch: Batch, bf16: bool, share_prefix: bool = True) -> torch.Tensor:
-    """Hidden states that predict each response token, [B, R, H].
-
-    With ``share_prefix``, rows with identical prompts (the G samples of a group) run their prompt through
-    the model once; its KV cache is indexed out to every row and gradients flow back through it. This is
-    the same computation as the plain path (tested to agree) with G-fold less prompt work.
-    """
-    r = batch.response_len
-    s = batch.input_ids.shape[1] - r
-    prompt_key = torch.cat([batch.input_ids[:, :s], batch.attention_mask[:, :s]], dim=1)
-    unique, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
-    if not share_prefix or s == 0 or len(unique) == len(prompt_key):
-        hidden, _ = decoder_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids, bf16)
-        return hidden[:, s - 1 : -1]
-    p_ids, p_mask = unique[:, :s], unique[:, s:]
-    p_hidden, cache = decoder_forward(model, p_ids, p_mask, (p_mask.cumsum(-1) - 1).clamp(min=0), bf16, use_cache=True)
-    cache.batch_select_indices(inverse)
-    r_hidden, _ = decoder_forward(
-        model, batch.input_ids[:, s:], batch.attention_mask, batch.position_ids[:, s:], bf16, past_key_values=cache
-    )
-    return torch.cat([p_hidden[inverse, -1:], r_hidden[:, :-1]], dim=1)
 
 
 def token_logprobs(
@@ -445,13 +347,13 @@ class Learner:
         if self.teachers and self.algo.distill_coef > 0:
             logits = head_logits(self.model, hidden) / self.temperature
             return (*logprobs_from_logits(logits, batch, entropy_grad), values, logits)
-        return (
-            *chunked_logprobs(
-                self.model, hidden, batch.targets, self.temperature, entropy_grad, bf16_backward=self.bf16
-            ),
-            values,
-            None,
+        # The head runs on response tokens only, packed into one row: padding costs it nothing.
+        used = batch.attention_mask[:, -batch.response_len :].bool()
+        logp, entropy = chunked_logprobs(
+            self.model, hidden[used][None], batch.targets[used][None], self.temperature, entropy_grad,
+            chunk=HEAD_CHUNK * len(used), bf16_backward=self.bf16,
         )
+        return _unpack(logp[0], used), _unpack(entropy[0], used), values, None
 
     def _distill(
         self, mb: Batch, logits: torch.Tensor, tasks: list[str], num_tokens: float
@@ -474,6 +376,11 @@ class Learner:
 
     def _logprobs(self, batch: Batch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return token_logprobs(self.model, batch, self.temperature, self.bf16, entropy_grad, self.share_prefix)
+
+
+def _unpack(packed: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """Values of the ``used`` positions back in their [B, R] places, zeros elsewhere."""
+    return packed.new_zeros(used.shape).masked_scatter(used, packed)
 
 
 def _detach(x: torch.Tensor | None) -> torch.Tensor | None:
