@@ -1,0 +1,91 @@
+"""Learner update time: responses in length buckets against all responses packed into one row, and the choice
+``response_hidden`` makes between them, alternating in one process (so a drifting machine affects all alike).
+
+    python benchmarks/packing.py            # SmolLM2-135M, ~6 min; writes the JSON below
+
+Batches: 2 prompts x 8 samples (the quickstart's shape). Response lengths from the quickstart's own steps
+(step 10: fifteen 5-8 token answers and one of 33; step 4: 2 to 64 tokens) and 16 equal answers of 16, 24,
+32 and 64 tokens, where the packed row's attention (growing with its squared length) decides.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CASES = {
+    "quickstart step 10": [5, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 6, 7, 7, 8, 33],
+    "quickstart step 4": [2, 2, 3, 7, 8, 8, 8, 10, 13, 16, 18, 21, 22, 31, 50, 64],
+    "16 x 16 tokens": [16] * 16,
+    "16 x 24 tokens": [24] * 16,
+    "16 x 32 tokens": [32] * 16,
+    "16 x 64 tokens": [64] * 16,
+}
+ROUNDS = 7  # per variant and case; the first two are warm-up
+
+
+def main() -> None:
+    import roofline
+
+    from polyrl.train import forward_pass
+    from polyrl.types import Trajectory
+
+    model, tokenizer, engine, learner = roofline.build("smollm2-135m-instruct", 16)
+    del engine
+    prompt = roofline.prompt_ids(tokenizer)
+    prompts = [prompt, prompt[:-3] + [1000, 1001, 1002]]
+    rng = random.Random(0)
+
+    def trajectories(lengths: list[int]) -> list:
+        out = []
+        for i, n in enumerate(lengths):
+            g = i // 8
+            ids = prompts[g] + [rng.randint(100, 40000) for _ in range(n)]
+            out.append(Trajectory(
+                task="bench", item_id=g, group_id=g, input_ids=ids, loss_mask=[0] * len(prompts[g]) + [1] * n,
+                logprobs=[0.0] * len(ids), versions=[0] * len(ids), advantage=rng.uniform(-1, 1),
+            ))
+        return out
+
+    default = forward_pass.PACKED_ATTENTION
+    variants = {"length buckets": 0, "one packed row": 10**12, "default (the cheaper by the cost model)": default}
+    chosen: list[str] = []
+    packed_fn = forward_pass._packed
+
+    def recording_packed(*args):
+        chosen.append("packed")
+        return packed_fn(*args)
+
+    forward_pass._packed = recording_packed
+    results = {}
+    for case, lengths in CASES.items():
+        batch = trajectories(lengths)
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for i in range(len(variants) * ROUNDS):
+            name = list(variants)[i % len(variants)]
+            forward_pass.PACKED_ATTENTION = variants[name]
+            chosen.clear()
+            start = time.perf_counter()
+            learner.update(batch)
+            if i >= 2 * len(variants):
+                times[name].append(time.perf_counter() - start)
+            if name.startswith("default"):
+                default_took = "one packed row" if chosen else "length buckets"
+        results[case] = {"response_lengths": lengths, **{k: statistics.median(v) for k, v in times.items()},
+                         "default took": default_took}
+        print(case, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[case].items()
+                     if k != "response_lengths"}, flush=True)
+    forward_pass.PACKED_ATTENTION = default
+    out = ROOT / "benchmarks" / "results" / "packing.json"
+    out.write_text(json.dumps({"seconds_per_update_median": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
