@@ -18,6 +18,10 @@ from polyrl.algorithms.registry import Registry
 
 LOSSES = Registry("policy loss")
 
+ADVANTAGE_WEIGHTED = frozenset({"ppo_clip", "dual_clip", "gspo", "cispo"})
+"""Built-in losses whose every term is a token's advantage times a function of its ratio: when all advantages
+are 0 the loss is 0 for any weights, so its gradient is exactly 0 (``Learner`` then skips the passes)."""
+
 
 def aggregate(
     per_token: torch.Tensor, mask: torch.Tensor, mode: str, num_tokens: float | None = None

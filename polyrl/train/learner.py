@@ -1,112 +1,27 @@
-"""The learner: turns scored trajectories into one optimizer update (batches: ``train/batch.py``; the body's
-forward pass: ``train/forward_pass.py``)."""
+"""The learner: turns scored trajectories into one optimizer update (batches: ``train/batch.py``; log-probs:
+``train/logprobs.py``, the body's forward pass in ``train/forward_pass.py``)."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import warnings
 from functools import partial
 
 import torch
-import torch.utils.checkpoint
 from transformers import PreTrainedModel
 
 from polyrl.algorithms import LOSSES, aggregate, kl_estimate, kl_penalty_to_go
 from polyrl.algorithms.corrections import correct_off_policy, truncated_importance_weight
 from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
+from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED
 from polyrl.config import AlgorithmConfig, OptimConfig
 from polyrl.models.forward import head_logits
 from polyrl.train.batch import Batch, collate
-from polyrl.train.bf16_head import head_logprobs
 from polyrl.train.forward_pass import response_hidden
+from polyrl.train.logprobs import HEAD_CHUNK, chunked_logprobs, logprobs_from_logits, response_logits, token_logprobs
 from polyrl.types import Trajectory
-
-
-def token_logprobs(
-    model: PreTrainedModel,
-    batch: Batch,
-    temperature: float,
-    bf16: bool,
-    entropy_grad: bool = False,
-    share_prefix: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs of the response tokens under logits / temperature (the sampling distribution), and the
-    per-token entropy of that distribution (differentiable only when ``entropy_grad``)."""
-    return logprobs_from_logits(response_logits(model, batch, temperature, bf16, share_prefix), batch, entropy_grad)
-
-
-def response_logits(
-    model: PreTrainedModel, batch: Batch, temperature: float, bf16: bool, share_prefix: bool = True
-) -> torch.Tensor:
-    """Float32 logits / temperature at the positions that predict each response token, [B, R, V]."""
-    return head_logits(model, response_hidden(model, batch, bf16, share_prefix)) / temperature
-
-
-def logprobs_from_logits(
-    logits: torch.Tensor, batch: Batch, entropy_grad: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _logprobs_of(logits, batch.targets, entropy_grad)
-
-
-def _logprobs_of(
-    logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    log_z = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - log_z
-    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-        entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
-
-
-HEAD_CHUNK = 16
-"""Response positions per chunk of the float32 output head in ``chunked_logprobs``."""
-
-
-def _head_logprobs(
-    model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _logprobs_of(head_logits(model, hidden) / temperature, targets, entropy_grad)
-
-
-def chunked_logprobs(
-    model: PreTrainedModel,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: float,
-    entropy_grad: bool = False,
-    chunk: int = HEAD_CHUNK,
-    bf16_backward: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logprobs_from_logits(head_logits(hidden) / temperature)`` over ``chunk`` positions at a time.
-
-    Under autograd each chunk is checkpointed: only its hidden states are kept and its logits are recomputed
-    in the backward pass, so the float32 [B, R, V] logits (and their softmax and gradient) never exist whole.
-    The cost is one more output-head matmul per position in the backward pass. With ``bf16_backward`` (for
-    bf16-autocast training; not with ``entropy_grad``) each chunk instead keeps its softmax in bf16 and runs
-    the backward matmuls in bf16 (``train/bf16_head.py``): no recomputation, and the rest at twice the rate.
-    """
-    head = model.get_output_embeddings()
-    grad = torch.is_grad_enabled() and hidden.requires_grad
-    if grad and bf16_backward and not entropy_grad and type(head) is torch.nn.Linear and head.bias is None:
-        weight_bf16 = head.weight.detach().to(torch.bfloat16)
-        parts = [
-            head_logprobs(hidden[:, i : i + chunk], head.weight, weight_bf16, targets[:, i : i + chunk], temperature)
-            for i in range(0, hidden.shape[1], chunk)
-        ]
-        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
-    logps, entropies = [], []
-    for i in range(0, hidden.shape[1], chunk):
-        args = (model, hidden[:, i : i + chunk], targets[:, i : i + chunk], temperature, entropy_grad)
-        if grad:
-            lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, *args, use_reentrant=False)
-        else:
-            lp, ent = _head_logprobs(*args)
-        logps.append(lp)
-        entropies.append(ent)
-    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1)
 
 
 def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
@@ -207,6 +122,8 @@ class Learner:
         if algo.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward misjudges its tokens
             keep = torch.tensor([not t.truncated for t in trajectories], dtype=batch.loss_mask.dtype)
             batch.loss_mask = batch.loss_mask * keep[:, None]
+        if self._gradient_is_zero(batch):
+            return self._step_on_zero_gradient()
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
         cross = torch.tensor([bool(t.info.get("cross_policy")) for t in trajectories])
         chunks = [slice(i, i + micro) for i in range(0, len(trajectories), micro)]
@@ -288,13 +205,41 @@ class Learner:
                 self.optimizer.zero_grad(set_to_none=True)
                 totals["skipped_updates"] = totals.get("skipped_updates", 0.0) + 1
             means["grad_norm"] = means.get("grad_norm", 0.0) + grad_norm / algo.epochs
+        self._scheduler_step()
+        totals.setdefault("kl", None)  # not measured: no reference was kept (kl_coef 0, track_kl off)
+        totals.setdefault("skipped_updates", 0.0)
+        return {**totals, **means, "zero_gradient": 0.0, "lr": self.scheduler.get_last_lr()[0]}
+
+    def _scheduler_step(self) -> None:
         with warnings.catch_warnings():
             # A skipped (NaN) first update leaves the optimizer unstepped; the schedule still advances by design.
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             self.scheduler.step()
-        totals.setdefault("kl", None)  # not measured: no reference was kept (kl_coef 0, track_kl off)
-        totals.setdefault("skipped_updates", 0.0)
-        return {**totals, **means, "lr": self.scheduler.get_last_lr()[0]}
+
+    def _gradient_is_zero(self, batch: Batch) -> bool:
+        """True when the loss is 0 whatever the weights: every advantage is 0 (e.g. dynamic sampling found no
+        group whose rewards differ), the loss weights each token by its advantage, and no other term is on
+        (entropy bonus, KL in the loss or the reward, KL tracking, critic, distillation). GRPO-style runs
+        reach this often late in training, when every group agrees."""
+        algo = self.algo
+        return (
+            algo.loss in ADVANTAGE_WEIGHTED and not bool(batch.advantages.any()) and algo.entropy_coef == 0
+            and not self.wants_reference and self.value_head is None
+            and not (self.teachers and algo.distill_coef > 0)
+        )
+
+    def _step_on_zero_gradient(self) -> dict[str, float]:
+        """The update of a batch whose gradient is exactly 0 (``_gradient_is_zero``), without the forward and
+        backward passes that would compute it: the optimizer steps on zero gradients as it would have (AdamW's
+        moments decay and the momentum still moves the weights). The entropy is not measured."""
+        for _ in range(self.algo.epochs):
+            for p in self.params:
+                p.grad = torch.zeros_like(p)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._scheduler_step()
+        return {"loss/pg": 0.0, "entropy": None, "loss": 0.0, "kl": None, "skipped_updates": 0.0, "grad_norm": 0.0,
+                "zero_gradient": 1.0, "lr": self.scheduler.get_last_lr()[0]}
 
     def _cross_policy(
         self, mb: Batch, rows: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor

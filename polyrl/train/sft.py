@@ -29,7 +29,8 @@ from polyrl.runtime.allocator import keep_freed_memory
 from polyrl.train import faults
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.train.demonstrations import demonstration_example
-from polyrl.train.learner import collate, lr_factor, token_logprobs
+from polyrl.train.learner import collate, lr_factor
+from polyrl.train.logprobs import token_logprobs
 from polyrl.types import Trajectory
 
 

@@ -1,0 +1,100 @@
+"""Log-probs of response tokens from a policy: the decoder body's pass (``train/forward_pass.py``), then the
+output head in float32 on the positions that predict response tokens, in chunks so the [B, R, V] logits never
+exist whole (``chunked_logprobs``)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.utils.checkpoint
+from transformers import PreTrainedModel
+
+from polyrl.models.forward import head_logits
+from polyrl.train.batch import Batch
+from polyrl.train.bf16_head import head_logprobs
+from polyrl.train.forward_pass import response_hidden
+
+
+def token_logprobs(
+    model: PreTrainedModel,
+    batch: Batch,
+    temperature: float,
+    bf16: bool,
+    entropy_grad: bool = False,
+    share_prefix: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs of the response tokens under logits / temperature (the sampling distribution), and the
+    per-token entropy of that distribution (differentiable only when ``entropy_grad``)."""
+    return logprobs_from_logits(response_logits(model, batch, temperature, bf16, share_prefix), batch, entropy_grad)
+
+
+def response_logits(
+    model: PreTrainedModel, batch: Batch, temperature: float, bf16: bool, share_prefix: bool = True
+) -> torch.Tensor:
+    """Float32 logits / temperature at the positions that predict each response token, [B, R, V]."""
+    return head_logits(model, response_hidden(model, batch, bf16, share_prefix)) / temperature
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, batch: Batch, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _logprobs_of(logits, batch.targets, entropy_grad)
+
+
+def _logprobs_of(
+    logits: torch.Tensor, targets: torch.Tensor, entropy_grad: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    log_z = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets[..., None]).squeeze(-1) - log_z
+    with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+        entropy = log_z - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+HEAD_CHUNK = 16
+"""Response positions per chunk of the float32 output head in ``chunked_logprobs``."""
+
+
+def _head_logprobs(
+    model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _logprobs_of(head_logits(model, hidden) / temperature, targets, entropy_grad)
+
+
+def chunked_logprobs(
+    model: PreTrainedModel,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    entropy_grad: bool = False,
+    chunk: int = HEAD_CHUNK,
+    bf16_backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logprobs_from_logits(head_logits(hidden) / temperature)`` over ``chunk`` positions at a time.
+
+    Under autograd each chunk is checkpointed: only its hidden states are kept and its logits are recomputed
+    in the backward pass, so the float32 [B, R, V] logits (and their softmax and gradient) never exist whole.
+    The cost is one more output-head matmul per position in the backward pass. With ``bf16_backward`` (for
+    bf16-autocast training; not with ``entropy_grad``) each chunk instead keeps its softmax in bf16 and runs
+    the backward matmuls in bf16 (``train/bf16_head.py``): no recomputation, and the rest at twice the rate.
+    """
+    head = model.get_output_embeddings()
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    if grad and bf16_backward and not entropy_grad and type(head) is torch.nn.Linear and head.bias is None:
+        weight_bf16 = head.weight.detach().to(torch.bfloat16)
+        parts = [
+            head_logprobs(hidden[:, i : i + chunk], head.weight, weight_bf16, targets[:, i : i + chunk], temperature)
+            for i in range(0, hidden.shape[1], chunk)
+        ]
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+    logps, entropies = [], []
+    for i in range(0, hidden.shape[1], chunk):
+        args = (model, hidden[:, i : i + chunk], targets[:, i : i + chunk], temperature, entropy_grad)
+        if grad:
+            lp, ent = torch.utils.checkpoint.checkpoint(_head_logprobs, *args, use_reentrant=False)
+        else:
+            lp, ent = _head_logprobs(*args)
+        logps.append(lp)
+        entropies.append(ent)
+    return torch.cat(logps, dim=1), torch.cat(entropies, dim=1)
