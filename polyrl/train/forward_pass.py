@@ -8,8 +8,8 @@ Two ways to do less than one forward of the padded [prompt | response] rows, bot
 - **one packed row**: every distinct prompt and every response, unpadded, in a single sequence whose
   attention mask lets a response see its own prompt and its own earlier tokens only (shared-prefix packing).
   One pass through the layers instead of one per bucket plus one for the prompts, and no padding at all; but
-  attention over the packed row grows with its squared length. It wins for short answers (the quickstart's
-  updates: 1.40 -> 0.89 s) and loses for long ones (16 answers of 64 tokens: 4.0 -> 5.7 s).
+  attention over the packed row grows with its squared length. It wins for short answers (quickstart-shaped
+  updates: 1.34 -> 0.90 s) and loses for long ones (16 answers of 64 tokens: 4.1 -> 5.9 s).
 """
 
 from __future__ import annotations
