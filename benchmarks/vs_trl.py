@@ -60,7 +60,8 @@ class Snapshots:
         """Training ended before the budget (polyrl's schedule ran out): snapshot the final weights now."""
         if self.due:
             self.due.clear()
-            self._snapshot(save)
+            if not self.saved or self.saved[-1]["step"] != len(self.step_times):  # not saved at this step yet
+                self._snapshot(save)
 
     def _snapshot(self, save) -> None:
         path = self.out / f"snapshot-{len(self.saved) + 1}"
