@@ -179,3 +179,39 @@ def test_unsupported_architectures_keep_the_transformers_path(tiny):
     assert not llama_decode.supports(LlamaForCausalLM(cfg))
     tok = load_tokenizer("tiny-random")
     assert HFEngine(tiny, tok, bf16_weights=True, fast_decode=False).fast is None
+
+
+SHARED = list(range(30, 42))  # a 12-token prefix (a chat template's system turn, say) before each prompt
+PREFIXED = [SHARED + p for p in PROMPTS]
+
+
+def test_shared_prefix_leaves_every_prompt_a_token():
+    from polyrl.engines.hf import shared_prefix
+
+    assert shared_prefix([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 3]]) == [1, 2]
+    assert shared_prefix([[1, 2, 3]] * 2) == [1, 2]
+    assert shared_prefix([[1, 2], [3, 4]]) == []
+    assert shared_prefix(PREFIXED) == SHARED
+
+
+def test_engine_with_a_shared_prefix_generates_what_the_reference_generates(tiny, monkeypatch):
+    """The prefix is computed once, reused by the next call, and recomputed after the weights change; tokens
+    and log-probs match the transformers engine, which runs every prompt whole (float32, tight)."""
+    tok = load_tokenizer("tiny-random")
+    fast = HFEngine(tiny, tok, bf16=False, bf16_weights=True)
+    fast.fast = LlamaDecoder(tiny, fast.head_weight, torch.float32)
+    ref = HFEngine(tiny, tok, bf16=False, bf16_weights=False)
+    widths = []
+    prefill = fast.fast.prefill
+    monkeypatch.setattr(fast.fast, "prefill", lambda ids, *a, **k: widths.append(ids.shape[1]) or prefill(ids, *a, **k))
+    for seed in (3, 4):
+        a = fast.generate(PREFIXED, n=3, max_new_tokens=12, temperature=1.0, seed=seed, entropy=True)
+        b = ref.generate(PREFIXED, n=3, max_new_tokens=12, temperature=1.0, seed=seed, entropy=True)
+        for x, y in zip(sum(a, []), sum(b, []), strict=True):
+            assert x.token_ids == y.token_ids
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
+            assert torch.allclose(torch.tensor(x.entropies), torch.tensor(y.entropies), atol=1e-4)
+    assert widths == [12, 5, 5]  # the prefix once, then only the prompts' own tokens (the longest is 5)
+    fast.fast.refresh(tiny)
+    fast.generate(PREFIXED, n=1, max_new_tokens=2)
+    assert widths[3:] == [12, 5]  # new weights: the prefix is computed again

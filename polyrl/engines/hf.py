@@ -109,6 +109,20 @@ def blocked_inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 256
     return (j * block + k).squeeze(-1), total
 
 
+MIN_SHARED_PREFIX = 8
+"""Tokens a shared prefix needs before the fused path computes it apart (a pass of its own costs a little)."""
+
+
+def shared_prefix(prompts: list[list[int]]) -> list[int]:
+    """The longest token prefix every prompt starts with, leaving each prompt at least one token of its own
+    (the last prompt position's logits start sampling)."""
+    first, limit = prompts[0], min(len(p) for p in prompts) - 1
+    k = 0
+    while k < limit and all(p[k] == first[k] for p in prompts):
+        k += 1
+    return first[:k]
+
+
 def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A frozen copy of ``model`` with floating-point tensors in bfloat16, the same as
     ``deepcopy(model).to(torch.bfloat16)`` but without first duplicating the float32 weights (which would raise
@@ -211,18 +225,26 @@ class HFEngine:
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate(self, prompts, n, max_new_tokens, temperature, top_p, seed, stop=None, entropy=False):
-        width = max(len(p) for p in prompts)
+        # The fused path computes a prefix every prompt shares once (and keeps it until the weights change);
+        # the prompts' own tokens follow it, left-padded: [prefix | padding | prompt tail].
+        prefix = shared_prefix(prompts) if self.fast is not None and len(prompts) > 1 else []
+        prefix = prefix if len(prefix) >= MIN_SHARED_PREFIX else []
+        tails = [p[len(prefix) :] for p in prompts]
+        width = max(len(p) for p in tails)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(tails):
             input_ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0) + len(prefix)
         generator = torch.Generator().manual_seed(seed)
 
-        capacity = width + min(max_new_tokens, 128)  # the cache grows by doubling if answers run longer
+        capacity = len(prefix) + width + min(max_new_tokens, 128)  # the cache doubles if answers run longer
         if self.fast is not None:
-            logits, cache = self.fast.prefill(input_ids, mask, positions, capacity)
+            cached = self.fast.prefix_cache(prefix) if prefix else None
+            logits, cache = self.fast.prefill(input_ids, mask, positions, capacity, prefix=cached)
+            mask = torch.cat([torch.ones((len(prompts), len(prefix)), dtype=mask.dtype), mask], dim=1)
+            width += len(prefix)
         else:
             logits, cache = self._last_logits(input_ids, mask, positions, None)
             if self.preallocate_cache:
