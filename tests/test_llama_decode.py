@@ -215,3 +215,19 @@ def test_engine_with_a_shared_prefix_generates_what_the_reference_generates(tiny
     fast.fast.refresh(tiny)
     fast.generate(PREFIXED, n=1, max_new_tokens=2)
     assert widths[3:] == [12, 5]  # new weights: the prefix is computed again
+
+
+def test_fused_float32_engine_evaluates_like_the_transformers_model(tiny):
+    """Held-out evaluation's engine: the policy's own float32 weights through the fused loop, greedy, the same
+    answers as the transformers model; a policy holding bf16 weights keeps the transformers path."""
+    tok = load_tokenizer("tiny-random")
+    fused = HFEngine(tiny, tok, bf16=False, fused_float32=True)
+    assert fused.fast is not None and fused.fast.dtype == torch.float32
+    assert fused.head_weight.data_ptr() == tiny.get_output_embeddings().weight.data_ptr()  # shared, not copied
+    ref = HFEngine(tiny, tok, bf16=False)
+    assert ref.fast is None
+    for prompts in (PREFIXED, PROMPTS):  # with and without a shared prefix
+        a = fused.generate(prompts, max_new_tokens=12, temperature=0.0)
+        b = ref.generate(prompts, max_new_tokens=12, temperature=0.0)
+        assert [c.token_ids for g in a for c in g] == [c.token_ids for g in b for c in g]
+    assert HFEngine(tiny, tok, bf16=True, fused_float32=True).fast is None  # autocast asked for: not float32

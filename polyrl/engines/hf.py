@@ -146,6 +146,8 @@ class HFEngine:
 
     With ``bf16_weights`` and ``fast_decode`` on a Llama-family policy, that copy is the fused one of
     ``llama_decode.LlamaDecoder`` and prefill and decoding run through it instead of the transformers model.
+    ``fused_float32`` does the same in float32 for a float32 policy (held-out evaluation: the policy's own
+    numbers, with the fused path's shared-prefix cache); its copy lives as long as the engine.
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class HFEngine:
         bf16_weights: bool = False,
         preallocate_cache: bool = True,
         fast_decode: bool = True,
+        fused_float32: bool = False,
     ) -> None:
         self.policy = policy
         # False keeps transformers' growing DynamicCache: the reference the preallocated one is tested against.
@@ -168,6 +171,10 @@ class HFEngine:
         if bf16_weights and fast_decode and llama_decode.supports(policy):
             self.head_weight = policy.get_output_embeddings().weight.detach().clone()
             self.fast = llama_decode.LlamaDecoder(policy, self.head_weight, torch.bfloat16)
+            self.model, self.bf16 = policy, False
+        elif fused_float32 and not bf16 and not bf16_weights and llama_decode.supports(policy):
+            self.head_weight = policy.get_output_embeddings().weight.detach()  # the policy's own: nothing to copy
+            self.fast = llama_decode.LlamaDecoder(policy, self.head_weight, torch.float32)
             self.model, self.bf16 = policy, False
         elif bf16_weights:
             self.model = bf16_copy(policy)
