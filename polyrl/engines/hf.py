@@ -109,20 +109,6 @@ def blocked_inverse_cdf(weights: torch.Tensor, u: torch.Tensor, block: int = 256
     return (j * block + k).squeeze(-1), total
 
 
-MIN_SHARED_PREFIX = 8
-"""Tokens a shared prefix needs before the fused path computes it apart (a pass of its own costs a little)."""
-
-
-def shared_prefix(prompts: list[list[int]]) -> list[int]:
-    """The longest token prefix every prompt starts with, leaving each prompt at least one token of its own
-    (the last prompt position's logits start sampling)."""
-    first, limit = prompts[0], min(len(p) for p in prompts) - 1
-    k = 0
-    while k < limit and all(p[k] == first[k] for p in prompts):
-        k += 1
-    return first[:k]
-
-
 def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A frozen copy of ``model`` with floating-point tensors in bfloat16, the same as
     ``deepcopy(model).to(torch.bfloat16)`` but without first duplicating the float32 weights (which would raise
@@ -146,8 +132,6 @@ class HFEngine:
 
     With ``bf16_weights`` and ``fast_decode`` on a Llama-family policy, that copy is the fused one of
     ``llama_decode.LlamaDecoder`` and prefill and decoding run through it instead of the transformers model.
-    ``fused_float32`` does the same in float32 for a float32 policy (held-out evaluation: the policy's own
-    numbers, with the fused path's shared-prefix cache); its copy lives as long as the engine.
     """
 
     def __init__(
@@ -158,7 +142,6 @@ class HFEngine:
         bf16_weights: bool = False,
         preallocate_cache: bool = True,
         fast_decode: bool = True,
-        fused_float32: bool = False,
     ) -> None:
         self.policy = policy
         # False keeps transformers' growing DynamicCache: the reference the preallocated one is tested against.
@@ -171,10 +154,6 @@ class HFEngine:
         if bf16_weights and fast_decode and llama_decode.supports(policy):
             self.head_weight = policy.get_output_embeddings().weight.detach().clone()
             self.fast = llama_decode.LlamaDecoder(policy, self.head_weight, torch.bfloat16)
-            self.model, self.bf16 = policy, False
-        elif fused_float32 and not bf16 and not bf16_weights and llama_decode.supports(policy):
-            self.head_weight = policy.get_output_embeddings().weight.detach()  # the policy's own: nothing to copy
-            self.fast = llama_decode.LlamaDecoder(policy, self.head_weight, torch.float32)
             self.model, self.bf16 = policy, False
         elif bf16_weights:
             self.model = bf16_copy(policy)
@@ -232,26 +211,18 @@ class HFEngine:
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate(self, prompts, n, max_new_tokens, temperature, top_p, seed, stop=None, entropy=False):
-        # The fused path computes a prefix every prompt shares once (and keeps it until the weights change);
-        # the prompts' own tokens follow it, left-padded: [prefix | padding | prompt tail].
-        prefix = shared_prefix(prompts) if self.fast is not None and len(prompts) > 1 else []
-        prefix = prefix if len(prefix) >= MIN_SHARED_PREFIX else []
-        tails = [p[len(prefix) :] for p in prompts]
-        width = max(len(p) for p in tails)
+        width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(tails):
+        for i, p in enumerate(prompts):
             input_ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0) + len(prefix)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
         generator = torch.Generator().manual_seed(seed)
 
-        capacity = len(prefix) + width + min(max_new_tokens, 128)  # the cache doubles if answers run longer
+        capacity = width + min(max_new_tokens, 128)  # the cache grows by doubling if answers run longer
         if self.fast is not None:
-            cached = self.fast.prefix_cache(prefix) if prefix else None
-            logits, cache = self.fast.prefill(input_ids, mask, positions, capacity, prefix=cached)
-            mask = torch.cat([torch.ones((len(prompts), len(prefix)), dtype=mask.dtype), mask], dim=1)
-            width += len(prefix)
+            logits, cache = self.fast.prefill(input_ids, mask, positions, capacity)
         else:
             logits, cache = self._last_logits(input_ids, mask, positions, None)
             if self.preallocate_cache:

@@ -9,8 +9,6 @@ q, k, v and gate, up as separate matmuls. This module runs the same computation 
   about 1.6x faster than ``F.linear`` on the plain layout (same results);
 - rotary embedding is applied to q and k together, once per layer, with cos/sin computed once per step;
 - keys and values are written into preallocated buffers that double when full;
-- a token prefix that every prompt of a batch starts with (the chat template's system turn) is computed once
-  and its keys and values are kept until the weights change, so later rounds of the same step reuse them;
 - grouped-query attention reads each key/value head once: the query heads that share it are passed to SDPA as
   that head's query rows, so nothing is repeated.
 
@@ -189,7 +187,6 @@ class LlamaDecoder:
         self.layers = [self._fuse(layer) for layer in decoder.layers]
         self.final_norm = decoder.norm.weight.detach().to(dtype).clone()
         self.head_low = self._matmul_weight(head_weight) if self.exact_top else None
-        self._prefix: tuple[tuple[int, ...], KVBuffers] | None = None  # the last shared prefix and its cache
 
     def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """Our own copy of ``weight`` in ``dtype``, prepacked when packing is on."""
@@ -215,7 +212,6 @@ class LlamaDecoder:
     @torch.no_grad()
     def refresh(self, policy: torch.nn.Module) -> None:
         """Take ``policy``'s current weights (LoRA merged), one layer at a time so memory peaks at one layer."""
-        self._prefix = None  # computed with the old weights
         decoder = policy.get_decoder()
         for i, layer in enumerate(decoder.layers):
             self.layers[i] = self._fuse(layer)
@@ -259,41 +255,20 @@ class LlamaDecoder:
         gate, up = self.linear(rms_norm(x, layer.post_norm, self.eps), layer.gate_up).chunk(2, dim=-1)
         return x + self.linear(F.silu(gate) * up, layer.down)
 
-    def prefix_cache(self, prefix: list[int]) -> KVBuffers:
-        """Keys and values of ``prefix`` (one row), computed once and kept until the weights change."""
-        key = tuple(prefix)
-        if self._prefix is None or self._prefix[0] != key:
-            ids = torch.tensor([prefix])
-            _, kv = self.prefill(ids, torch.ones_like(ids), torch.arange(len(prefix))[None], len(prefix))
-            self._prefix = (key, kv)
-        return self._prefix[1]
-
     @torch.no_grad()
     def prefill(
-        self,
-        input_ids: torch.Tensor,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-        capacity: int,
-        prefix: KVBuffers | None = None,
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, capacity: int
     ) -> tuple[torch.Tensor, KVBuffers]:
-        """Run left-padded prompts ``[B, T]``; return float32 logits of the last position and the filled cache.
-
-        With ``prefix`` (a one-row cache of P positions that every prompt starts with), ``input_ids`` are what
-        follows it: the cache returned holds the prefix's keys and values in its first P positions, then the
-        prompts' own, and ``positions`` must count on from P."""
+        """Run left-padded prompts ``[B, T]``; return float32 logits of the last position and the filled cache."""
         b, t = input_ids.shape
-        p = prefix.length if prefix is not None else 0
         x = self._embed(input_ids)
         cos, sin = self._rope(x, positions)
         cos, sin = cos[:, :, None], sin[:, :, None]
         causal = torch.ones((t, t), dtype=torch.bool).tril()
         # Padding queries attend to themselves only, so no softmax row is empty (an empty one would give NaN).
         allowed = (causal & mask.bool()[:, None, :]) | torch.eye(t, dtype=torch.bool)
-        if p:  # every query sees the whole prefix
-            allowed = torch.cat([torch.ones((b, t, p), dtype=torch.bool), allowed], dim=-1)
         allowed = allowed[:, None]
-        kv = KVBuffers(len(self.layers), b, self.kv_heads, max(capacity, p + t), self.head_dim, self.dtype)
+        kv = KVBuffers(len(self.layers), b, self.kv_heads, max(capacity, t), self.head_dim, self.dtype)
         nh, d = self.heads, self.head_dim
         x = x.view(b * t, -1)  # matmuls see rows; attention sees [B, heads, T, d]
         for i, layer in enumerate(self.layers):
@@ -302,18 +277,12 @@ class LlamaDecoder:
             qk = qk * cos + rotate_half(qk) * sin
             q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)
             v = qkv[..., self.qk_width :].view(b, t, self.kv_heads, d).transpose(1, 2)
-            keys, values = kv.keys[i], kv.values[i]
-            if p:
-                keys[:, :, :p] = prefix.keys[i][:, :, :p]
-                values[:, :, :p] = prefix.values[i][:, :, :p]
-            keys[:, :, p : p + t] = k
-            values[:, :, p : p + t] = v
-            if p:
-                k, v = keys[:, :, : p + t], values[:, :, : p + t]
+            kv.keys[i][:, :, :t] = k
+            kv.values[i][:, :, :t] = v
             att = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
             x = x + self.linear(att.transpose(1, 2).reshape(b * t, nh * d), layer.o)
             x = self._mlp(layer, x)
-        kv.length = p + t
+        kv.length = t
         return self._head(x.view(b, t, -1)[:, -1]), kv
 
     @torch.no_grad()

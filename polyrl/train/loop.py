@@ -197,8 +197,7 @@ def evaluate_all(run: Run) -> dict[str, float]:
     cfg = run.config
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     # Weights stored in bf16 (LoRA's frozen base) need autocast; the rest of the policy is still evaluated as is.
-    bf16 = holds_bf16_weights(run.model)
-    engine = run.engine if cfg.eval.bf16 else HFEngine(run.model, run.tokenizer, bf16=bf16, fused_float32=not bf16)
+    engine = run.engine if cfg.eval.bf16 else HFEngine(run.model, run.tokenizer, bf16=holds_bf16_weights(run.model))
     return {
         name: evaluate(engine, task, task.config.eval_size, max_new, cfg.eval.batch_size)["accuracy"]
         for name, task in run.tasks.items()

@@ -38,7 +38,7 @@ def evaluate_domains(config: Config, model_name: str) -> dict[str, float]:
     if config.eval.bf16:
         engine = HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=True)
     else:  # as the RL loop: accuracy of the float32 weights themselves
-        engine = HFEngine(model, tokenizer, bf16=False, fused_float32=True)
+        engine = HFEngine(model, tokenizer, bf16=False)
     max_new = config.eval.max_new_tokens or config.rollout.max_new_tokens
     out = {}
     for t in config.tasks:
