@@ -27,11 +27,11 @@ CASES = {
 }
 
 
-def main() -> None:
+def quickstart_learner():
+    """SmolLM2's learner set up as in the quickstart, and a maker of 2-prompt x 8 batches with the given
+    response lengths (random tokens, random advantages)."""
     import roofline
 
-    from polyrl.train import forward_pass
-    from polyrl.train import learner as learner_module
     from polyrl.types import Trajectory
 
     model, tokenizer, engine, learner = roofline.build("smollm2-135m-instruct", 16)
@@ -50,6 +50,16 @@ def main() -> None:
                 logprobs=[0.0] * len(ids), versions=[0] * len(ids), advantage=rng.uniform(-1, 1),
             ))
         return out
+
+    return learner, trajectories
+
+
+def main() -> None:
+    from polyrl.train import forward_pass
+    from polyrl.train import learner as learner_module
+
+    learner, trajectories = quickstart_learner()
+    forward_pass.PACKED_ATTENTION = 0  # buckets only: packing (benchmarks/packing.py) came after this comparison
 
     bucketed_forward = learner_module.Learner._forward
 

@@ -11,7 +11,6 @@ Batches: 2 prompts x 8 samples (the quickstart's shape). Response lengths from t
 from __future__ import annotations
 
 import json
-import random
 import statistics
 import sys
 import time
@@ -32,28 +31,11 @@ ROUNDS = 7  # per variant and case; the first two are warm-up
 
 
 def main() -> None:
-    import roofline
+    from length_buckets import quickstart_learner
 
     from polyrl.train import forward_pass
-    from polyrl.types import Trajectory
 
-    model, tokenizer, engine, learner = roofline.build("smollm2-135m-instruct", 16)
-    del engine
-    prompt = roofline.prompt_ids(tokenizer)
-    prompts = [prompt, prompt[:-3] + [1000, 1001, 1002]]
-    rng = random.Random(0)
-
-    def trajectories(lengths: list[int]) -> list:
-        out = []
-        for i, n in enumerate(lengths):
-            g = i // 8
-            ids = prompts[g] + [rng.randint(100, 40000) for _ in range(n)]
-            out.append(Trajectory(
-                task="bench", item_id=g, group_id=g, input_ids=ids, loss_mask=[0] * len(prompts[g]) + [1] * n,
-                logprobs=[0.0] * len(ids), versions=[0] * len(ids), advantage=rng.uniform(-1, 1),
-            ))
-        return out
-
+    learner, trajectories = quickstart_learner()
     default = forward_pass.PACKED_ATTENTION
     variants = {"length buckets": 0, "one packed row": 10**12, "default (the cheaper by the cost model)": default}
     chosen: list[str] = []
