@@ -9,7 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from polyrl.config import LoraConfig
-from polyrl.engines import llama_decode
+from polyrl.engines import decode_kv, llama_decode
 from polyrl.engines.hf import HFEngine
 from polyrl.engines.llama_decode import LlamaDecoder
 from polyrl.models.loading import load_model, load_tokenizer
@@ -38,11 +38,14 @@ def decoder_logits(model, dtype=torch.float32, **kw) -> tuple[torch.Tensor, torc
     cont = torch.randint(3, 200, (len(PROMPTS), 6), generator=torch.Generator().manual_seed(0))
     head = model.get_output_embeddings().weight.detach().clone()
     dec = LlamaDecoder(model, head, dtype, **kw)
-    first, kv = dec.prefill(ids, mask, positions, capacity=ids.shape[1] + 2)  # small: forces buffer growth
-    full_mask = torch.cat([mask, torch.ones_like(cont)], 1)
-    out = [first]
-    for j in range(cont.shape[1]):
-        out.append(dec.decode(cont[:, j], full_mask, positions[:, -1] + 1 + j, kv))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode_kv, "KV_CHUNK", 2)  # small: the buffers grow during the 6 steps
+        first, kv = dec.prefill(ids, mask, positions)
+        full_mask = torch.cat([mask, torch.ones_like(cont)], 1)
+        out = [first]
+        for j in range(cont.shape[1]):
+            out.append(dec.decode(cont[:, j], full_mask, positions[:, -1] + 1 + j, kv))
+        assert kv.capacity > ids.shape[1] + 1  # it did grow
     full_ids = torch.cat([ids, cont], 1)
     ref = reference_logits(model, full_ids, full_mask, (full_mask.cumsum(-1) - 1).clamp(min=0))
     return torch.stack(out, 1), ref[:, ids.shape[1] - 1 :]
@@ -93,7 +96,7 @@ def test_lora_deltas_are_merged_and_refreshed():
             if "lora_A" in name:
                 p.mul_(-1.5)
     dec.refresh(policy)
-    after, _ = dec.prefill(ids, mask, positions, 8)
+    after, _ = dec.prefill(ids, mask, positions)
     assert torch.allclose(after, reference_logits(policy, ids, mask, positions)[:, -1], atol=1e-4)
 
 

@@ -220,13 +220,12 @@ class HFEngine:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         generator = torch.Generator().manual_seed(seed)
 
-        capacity = width + min(max_new_tokens, 128)  # the cache grows by doubling if answers run longer
         if self.fast is not None:
-            logits, cache = self.fast.prefill(input_ids, mask, positions, capacity)
+            logits, cache = self.fast.prefill(input_ids, mask, positions)  # its buffers size themselves
         else:
             logits, cache = self._last_logits(input_ids, mask, positions, None)
-            if self.preallocate_cache:
-                cache = preallocate(cache, capacity)
+            if self.preallocate_cache:  # the cache grows by doubling if answers run longer
+                cache = preallocate(cache, width + min(max_new_tokens, 128))
         if n > 1:
             # One prefill per prompt; its KV cache is shared by the group's samples.
             cache.batch_repeat_interleave(n)

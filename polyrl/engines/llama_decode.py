@@ -8,9 +8,10 @@ q, k, v and gate, up as separate matmuls. This module runs the same computation 
 - in bfloat16 those copies are prepacked into oneDNN's blocked layout, which at 16 rows runs the matmuls
   about 1.6x faster than ``F.linear`` on the plain layout (same results);
 - rotary embedding is applied to q and k together, once per layer, with cos/sin computed once per step;
-- keys and values are written into preallocated buffers that double when full;
-- grouped-query attention reads each key/value head once: the query heads that share it are passed to SDPA as
-  that head's query rows, so nothing is repeated.
+- keys and values live in ``decode_kv.KVBuffers``: a group's prompt is stored once and read once per decode
+  step for all its samples, and attention is batched matmuls over contiguous buffers (see that module);
+- grouped-query attention reads each key/value head once: the query heads that share it are that head's
+  query rows, so nothing is repeated.
 
 It computes what the transformers model computes (same op order, same dtypes: bf16 residual stream, float32
 RMS statistics, float32 output head); tests/test_llama_decode.py checks logits against it and tokens against the
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from polyrl.engines.decode_kv import KVBuffers
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; any row count still works
@@ -118,39 +121,6 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
-
-
-class KVBuffers:
-    """Keys and values of every layer in ``[B, kv_heads, capacity, head_dim]`` buffers; ``length`` are filled.
-
-    Offers the two batch edits the engine makes: repeat each row n times (one prefill shared by a group) and
-    keep a subset of rows (finished rows dropped)."""
-
-    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype: torch.dtype):
-        shape = (batch, kv_heads, capacity, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
-        self.values = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
-        self.length = 0
-
-    def reserve(self, capacity: int) -> None:
-        """Make room for ``capacity`` positions, at least doubling so growth stays amortised O(1) per token."""
-        have = self.keys[0].shape[2]
-        if capacity <= have:
-            return
-        new_cap = max(capacity, 2 * have)
-        for bufs in (self.keys, self.values):
-            for i, old in enumerate(bufs):
-                new = old.new_empty((*old.shape[:2], new_cap, old.shape[-1]))
-                new[:, :, : self.length] = old[:, :, : self.length]
-                bufs[i] = new
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.keys = [k.repeat_interleave(repeats, dim=0) for k in self.keys]
-        self.values = [v.repeat_interleave(repeats, dim=0) for v in self.values]
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.keys = [k[indices] for k in self.keys]
-        self.values = [v[indices] for v in self.values]
 
 
 class LlamaDecoder:
@@ -257,7 +227,7 @@ class LlamaDecoder:
 
     @torch.no_grad()
     def prefill(
-        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, capacity: int
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, KVBuffers]:
         """Run left-padded prompts ``[B, T]``; return float32 logits of the last position and the filled cache."""
         b, t = input_ids.shape
@@ -268,7 +238,7 @@ class LlamaDecoder:
         # Padding queries attend to themselves only, so no softmax row is empty (an empty one would give NaN).
         allowed = (causal & mask.bool()[:, None, :]) | torch.eye(t, dtype=torch.bool)
         allowed = allowed[:, None]
-        kv = KVBuffers(len(self.layers), b, self.kv_heads, max(capacity, t), self.head_dim, self.dtype)
+        kv = KVBuffers(len(self.layers), b, self.kv_heads, t, self.head_dim, self.dtype)
         nh, d = self.heads, self.head_dim
         x = x.view(b * t, -1)  # matmuls see rows; attention sees [B, heads, T, d]
         for i, layer in enumerate(self.layers):
@@ -295,18 +265,15 @@ class LlamaDecoder:
         kv.reserve(t + 1)
         x = self._embed(tokens)
         cos, sin = self._rope(x, positions[:, None])  # [B, 1, d]: broadcast over the heads
-        keep = mask[:, : t + 1].bool()[:, None, None, :]
+        bias = kv.attention_bias(mask)
         nh, kvh, d = self.heads, self.kv_heads, self.head_dim
+        scale = d**-0.5
         for i, layer in enumerate(self.layers):
             qkv = self.linear(rms_norm(x, layer.in_norm, self.eps), layer.qkv, layer.qkv_bias)
             qk = qkv[:, : self.qk_width].view(b, nh + kvh, d)
             qk = qk * cos + rotate_half(qk) * sin
-            keys, values = kv.keys[i], kv.values[i]
-            keys[:, :, t] = qk[:, nh:]
-            values[:, :, t] = qkv[:, self.qk_width :].view(b, kvh, d)
-            # The nh // kvh query heads sharing a key/value head are that head's query rows.
-            q = qk[:, :nh].view(b, kvh, nh // kvh, d)
-            att = F.scaled_dot_product_attention(q, keys[:, :, : t + 1], values[:, :, : t + 1], attn_mask=keep)
+            kv.write(i, qk[:, nh:], qkv[:, self.qk_width :].view(b, kvh, d))
+            att = kv.attend(i, qk[:, :nh].view(b, kvh, nh // kvh, d), bias, scale)
             x = x + self.linear(att.reshape(b, nh * d), layer.o)
             x = self._mlp(layer, x)
         kv.length = t + 1
