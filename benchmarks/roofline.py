@@ -11,7 +11,7 @@ Bounds, per token of SmolLM2 (N = 134.5M parameters with the tied head counted o
   rollout: 2N FLOPs per generated token (compute bound) and, per decode step, the bytes of the sampling copy
     (bf16 weights, head included) read once for the whole batch (memory bound); the attainable rate is the
     lower. Measured for the engine's fused decode path (the default) and for the transformers model it replaces,
-    at the quickstart's 2 x 8 rows and at ``--wide-prompts`` x 8 rows.
+    at the quickstart's 2 x 8 rows and at each ``--wide-prompts`` x 8 rows (64 and 256 by default).
   training: 6N FLOPs per token (forward + backward) at the bf16 matmul rate, applied two ways. Per trajectory
     token (prompt + response of every sample; the rate the loop logs as train/tokens_per_s): more than the
     hardware does, since the learner runs a group's shared prompt once. Per position the learner computes
@@ -159,7 +159,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=16, help="the quickstart's: the whole 2 x 8 batch")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--wide-prompts", type=int, default=8, help="prompts of the wider rollout (x --group rows)")
+    ap.add_argument("--wide-prompts", type=int, nargs="+", default=[8, 32],
+                    help="prompts of each wider rollout (x --group rows)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "roofline.json")
     ap.add_argument("--skip-unshared", action="store_true", help="skip the training run with prompt sharing off")
@@ -179,17 +180,18 @@ def main() -> None:
     memory_bound = batch * roof_r["mem_read_gbs"] * 1e9 / sizes["decode_step_bytes"]
     print(f"roofline {roof_r}; rollout {rollout:.1f} tok/s, bounds: compute {compute_bound:.0f}, "
           f"memory {memory_bound:.0f}", flush=True)  # shown early: the training half takes longer
-    wide = args.wide_prompts * args.group
-    engine.generate([prompt] * args.wide_prompts, n=args.group, max_new_tokens=8)  # warm-up at this width
-    rollout_wide = measure_rollout(engine, prompt, args.wide_prompts, args.group, args.new_tokens, args.repeats)
+    wide = {}  # rows -> tokens/s
+    for prompts in args.wide_prompts:
+        engine.generate([prompt] * prompts, n=args.group, max_new_tokens=8)  # warm-up at this width
+        wide[prompts * args.group] = measure_rollout(engine, prompt, prompts, args.group, args.new_tokens, args.repeats)
     from polyrl.engines.hf import HFEngine
 
     reference = HFEngine(model, tokenizer, bf16=True, bf16_weights=True, fast_decode=False)
     reference.generate([prompt] * args.prompts, n=args.group, max_new_tokens=8)
     rollout_ref = measure_rollout(reference, prompt, args.prompts, args.group, args.new_tokens, args.repeats)
     del reference
-    print(f"rollout {wide} rows: {rollout_wide:.1f} tok/s; transformers path at {batch} rows: "
-          f"{rollout_ref:.1f} tok/s", flush=True)
+    widths = ", ".join(f"{rows} rows: {v:.1f}" for rows, v in wide.items())
+    print(f"rollout {widths} tok/s; transformers path at {batch} rows: {rollout_ref:.1f} tok/s", flush=True)
 
     learner.update(trajectories)  # warm-up: optimizer states, allocator
     roof_t = measure_roofline()
@@ -220,9 +222,10 @@ def main() -> None:
             "fraction_of_attainable": rollout / min(compute_bound, memory_bound),
             "rows": batch,
             "transformers_path_tokens_per_s": rollout_ref,
-            "wide": {
-                "rows": wide, "tokens_per_s": rollout_wide, "fraction_of_compute_bound": rollout_wide / compute_bound,
-            },
+            "wide": [
+                {"rows": rows, "tokens_per_s": v, "fraction_of_compute_bound": v / compute_bound}
+                for rows, v in wide.items()
+            ],
         },
         "training": {
             "tokens_per_s": training, "bound_tokens_per_s": train_bound, "fraction_of_bound": training / train_bound,
@@ -240,8 +243,9 @@ def main() -> None:
     print(f"rollout: {rollout:.1f} tok/s = {r['fraction_of_compute_bound']:.0%} of the bf16 compute bound "
           f"({compute_bound:.0f}), {r['fraction_of_attainable']:.0%} of the attainable "
           f"{min(compute_bound, memory_bound):.0f}")
-    print(f"rollout at {wide} rows: {rollout_wide:.1f} tok/s = {r['wide']['fraction_of_compute_bound']:.0%}; "
-          f"the transformers path at {batch} rows: {rollout_ref:.1f} tok/s")
+    for w in r["wide"]:
+        print(f"rollout at {w['rows']} rows: {w['tokens_per_s']:.1f} tok/s = {w['fraction_of_compute_bound']:.0%}")
+    print(f"the transformers path at {batch} rows: {rollout_ref:.1f} tok/s")
     print(f"training: {training:.1f} trajectory tok/s = {t['fraction_of_bound']:.0%} of the bf16 bound "
           f"({train_bound:.0f}); {t['positions_per_s']:.1f} computed positions/s, utilisation {t['utilisation']:.0%}")
     if unshared_result:
