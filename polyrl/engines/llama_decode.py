@@ -8,8 +8,8 @@ q, k, v and gate, up as separate matmuls. This module runs the same computation 
 - in bfloat16 those copies are prepacked into oneDNN's blocked layout, which at 16 rows runs the matmuls
   about 1.6x faster than ``F.linear`` on the plain layout (same results);
 - rotary embedding is applied to q and k together, once per layer, with cos/sin computed once per step;
-- keys and values live in ``decode_kv.KVBuffers``: a group's prompt is stored once and read once per decode
-  step for all its samples, and attention is batched matmuls over contiguous buffers (see that module);
+- keys and values live in ``decode_kv.KVBuffers``, whole buffers kept close to their length, and decode
+  attention is two batched matmuls over them (faster than SDPA at these shapes; see that module);
 - grouped-query attention reads each key/value head once: the query heads that share it are that head's
   query rows, so nothing is repeated.
 
