@@ -63,7 +63,7 @@ def _evaluate(run) -> dict[str, Any]:
 
 def _train(path: Path, overrides: list[str], eval_n: int, steps: int, minutes: float, before: bool) -> dict:
     """Train one arm; returns eval before (optional) / after and per-step rollout statistics."""
-    from polyrl.train.loop import build_run, rl_step
+    from polyrl.train.step import build_run, rl_step
 
     cfg = _config(path, overrides, eval_n, steps, minutes)
     with tempfile.TemporaryDirectory() as tmp:
@@ -98,8 +98,8 @@ def _sft(path: Path, overrides: list[str], eval_n: int, steps: int, ckpt_dir: Pa
     """The tool-call warm start: ``steps`` SFT steps on the env's demonstrations into ``ckpt_dir``; eval after
     (the RL parts start from ``ckpt_dir/checkpoints/step-N`` with ``--set model.name=...``)."""
     from polyrl.train.checkpoint import latest_checkpoint
-    from polyrl.train.loop import build_run
     from polyrl.train.sft import train_sft
+    from polyrl.train.step import build_run
 
     cfg = _config(path, overrides, eval_n, steps, 1e9)
     t0 = time.perf_counter()

@@ -59,7 +59,7 @@ def _config(path: Path, name: str, eval_n: int | None):
 
 
 def _accuracy(run) -> float:
-    from polyrl.train.loop import evaluate_all
+    from polyrl.train.step import evaluate_all
 
     scores = evaluate_all(run)
     return sum(scores.values()) / len(scores)
@@ -69,7 +69,7 @@ def run_one(
     path: Path, name: str, minutes: float, points: int, eval_n: int | None, base_acc: float | None
 ) -> dict:
     """Train ``name`` for ``minutes`` of training time; accuracy at 0 and at ``points`` even intervals."""
-    from polyrl.train.loop import build_run, rl_step
+    from polyrl.train.step import build_run, rl_step
 
     cfg, overrides = _config(path, name, eval_n)
     with tempfile.TemporaryDirectory() as tmp:

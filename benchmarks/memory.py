@@ -71,7 +71,7 @@ def breakdown(steps: int, eval_size: int) -> dict:
     import torch
 
     from polyrl.config import load_config
-    from polyrl.train.loop import build_run, rl_step
+    from polyrl.train.step import build_run, rl_step
 
     config = load_config(ROOT / "configs" / "quickstart.yaml", overrides(steps, eval_size))
     proc = psutil.Process()

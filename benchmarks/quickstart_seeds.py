@@ -60,7 +60,7 @@ def main() -> None:
     args = p.parse_args()
 
     from polyrl.config import load_config
-    from polyrl.train.loop import build_run, rl_step
+    from polyrl.train.step import build_run, rl_step
 
     fixed = ["eval.before=false", "eval.after=false", "logging.progress=false", f"train.seed={args.seed}"]
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", fixed + args.overrides)

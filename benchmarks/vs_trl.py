@@ -76,7 +76,7 @@ def worker_polyrl(args) -> dict:
     import torch
 
     from polyrl.config import load_config
-    from polyrl.train.loop import build_run, rl_step
+    from polyrl.train.step import build_run, rl_step
 
     torch.manual_seed(0)
     overrides = ["eval.before=false", "eval.after=false", "logging.progress=false"]

@@ -51,8 +51,8 @@ def train(
     run_dir = output or Path("runs") / cfg.name
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     from polyrl.models.loading import ModelNotFoundError
-    from polyrl.train.loop import NonFiniteError
     from polyrl.train.loop import train as run_training
+    from polyrl.train.step import NonFiniteError
 
     def log(msg: str) -> None:
         typer.echo(msg, err=True)

@@ -237,7 +237,7 @@ def test_loop_with_agent_features_resumes_exactly(tmp_path):
 
 
 def test_rl_step_with_arpo_trains_on_trees(tmp_path):
-    from polyrl.train.loop import build_run, rl_step
+    from polyrl.train.step import build_run, rl_step
 
     cfg = load_config(ROOT / "configs" / "tool_math.yaml", [
         "model.name=tiny-random", "model.bf16=false", "rollout.group_size=4", "rollout.max_new_tokens=16",

@@ -141,7 +141,7 @@ def test_judge_scores_by_yes_probability():
 
 
 def test_judge_component_mixes_into_the_training_reward(tmp_path):
-    from polyrl.train.loop import build_run, rl_step
+    from polyrl.train.step import build_run, rl_step
 
     data = yaml.safe_load(SMOKE.read_text())
     data["tasks"][0]["reward_components"] = [{"kind": "env", "weight": 0.5},

@@ -285,7 +285,7 @@ class ForcedFirstTurn:
 
 
 def test_rl_steps_on_tool_math_mask_env_tokens(tmp_path):
-    from polyrl.train.loop import build_run, rl_step
+    from polyrl.train.step import build_run, rl_step
 
     cfg = load_config(
         ROOT / "configs" / "tool_math.yaml",

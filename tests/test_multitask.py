@@ -92,7 +92,7 @@ def test_learner_weights_cross_policy_tokens_by_truncated_is():
 
 
 def test_cross_policy_run_records_behaviour_and_weights(tmp_path):
-    from polyrl.train.loop import build_run, rl_step
+    from polyrl.train.step import build_run, rl_step
 
     data = yaml.safe_load(SMOKE.read_text())
     data["rollout"]["cross_policy"] = {"model": "tiny-random", "share": 0.5, "is_cap": 2.0}

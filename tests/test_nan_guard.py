@@ -18,7 +18,8 @@ from polyrl.config import load_config
 from polyrl.models.loading import load_model
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from polyrl.train.learner import Learner
-from polyrl.train.loop import NonFiniteError, train
+from polyrl.train.loop import train
+from polyrl.train.step import NonFiniteError
 
 POISON = {"value": math.nan, "steps": set(), "always": False, "update": 0}
 

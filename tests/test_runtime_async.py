@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from polyrl.config import load_config
-from polyrl.train.loop import build_run, train
+from polyrl.train.loop import train
+from polyrl.train.step import build_run
 from tests.conftest import SMOKE
 
 # An entropy bonus makes every update move the weights even though the tiny random model never scores,

@@ -91,7 +91,7 @@ def estimate_step(config: Config) -> StepEstimate:
     """Build the run's components (model, engine, learner) and time one rollout and one update."""
     import torch
 
-    from polyrl.train.loop import build_run
+    from polyrl.train.step import build_run
 
     with tempfile.TemporaryDirectory() as tmp:
         run = build_run(config, Path(tmp))

@@ -14,7 +14,7 @@ class LocalStepper:
         self.run = run
 
     def step(self, step: int):
-        from polyrl.train.loop import rl_step
+        from polyrl.train.step import rl_step
 
         return rl_step(self.run, step)
 

@@ -41,7 +41,7 @@ def _rollout_main(
 ) -> None:
     """The rollout process: produce batches start+1 .. train.steps in order, each from the newest weights
     allowed, and send each with the sampler state after it (the learner checkpoints that state)."""
-    from polyrl.train.loop import build_run, local_rollout, produce_batch
+    from polyrl.train.step import build_run, local_rollout, produce_batch
 
     try:
         torch.set_num_threads(threads)
@@ -117,7 +117,7 @@ class AsyncStepper:
             return msg[1], msg[2]
 
     def step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
-        from polyrl.train.loop import learn_batch, step_metrics
+        from polyrl.train.step import learn_batch, step_metrics
 
         batch, sampler_state = self._receive()
         if batch.step != step:

@@ -47,7 +47,7 @@ class RolloutWorker:
     """A Ray actor: its own copy of the run (model, engine, tasks), rolling out the shards it is sent."""
 
     def __init__(self, config: Any, run_dir: Any, index: int, incarnation: int) -> None:
-        from polyrl.train.loop import build_run, local_rollout
+        from polyrl.train.step import build_run, local_rollout
 
         self.run = build_run(config, run_dir)
         self.rollout_fn = local_rollout(self.run)
@@ -113,7 +113,7 @@ class RayStepper:
         return self._actor.remote(self.run.config, self.run.run_dir, k, self.incarnations[k])
 
     def _produce(self, start: int) -> None:
-        from polyrl.train.loop import produce_batch
+        from polyrl.train.step import produce_batch
 
         try:
             for step in range(start + 1, self.run.config.train.steps + 1):
@@ -156,7 +156,7 @@ class RayStepper:
         return [t for k in sorted(results) for t in results[k]]
 
     def step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
-        from polyrl.train.loop import learn_batch, step_metrics
+        from polyrl.train.step import learn_batch, step_metrics
 
         while True:
             try:

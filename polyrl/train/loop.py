@@ -1,207 +1,22 @@
-"""The RL loop. ``rl_step`` is one step of the diagram in docs/ARCHITECTURE.md:
-sample tasks -> roll out -> score -> advantages -> loss -> update -> sync weights -> log."""
+"""The training loop: build the run, resume from its checkpoint, evaluate, step through the chosen runtime
+(``runtime.kind``: local ``rl_step``, async or Ray), log, checkpoint, evaluate again, write the summary."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from statistics import mean
 from typing import Any
 
-import torch
-
-from polyrl.algorithms.shaping import assign_advantages, shape_rewards
 from polyrl.config import Config, dump_config
-from polyrl.data.dynamic_sampling import Sampled, dynamic_sample
-from polyrl.data.sampler import TaskSampler
-from polyrl.engines import make_engine
-from polyrl.engines.hf import HFEngine
-from polyrl.envs.base import Task, make_task
-from polyrl.models.loading import holds_bf16_weights, load_model, load_tokenizer
 from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
 from polyrl.observe.progress import TrainProgress
 from polyrl.observe.report import write_report_safely
-from polyrl.rollout.multi_turn import evaluate, rollout_metrics
 from polyrl.runtime import make_stepper
-from polyrl.runtime.allocator import keep_freed_memory
 from polyrl.train import faults
-from polyrl.train.agents import AgentFeatures
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
-from polyrl.train.learner import Learner
-from polyrl.train.multitask import MultiTask
-from polyrl.train.teachers import load_teachers
-from polyrl.types import Trajectory
-
-
-class NonFiniteError(RuntimeError):
-    """Training produced NaN/inf too many times in a row."""
-
-
-@dataclass
-class Run:
-    """Everything one training run holds; built once by ``build_run``."""
-
-    config: Config
-    run_dir: Path
-    model: Any
-    tokenizer: Any
-    tasks: dict[str, Task]
-    engine: HFEngine
-    learner: Learner
-    sampler: TaskSampler
-    agents: AgentFeatures
-    multitask: MultiTask | None = None
-
-
-def build_run(config: Config, run_dir: Path) -> Run:
-    if config.runtime.keep_freed_memory:  # before the model's weights: every process of a run builds one here
-        keep_freed_memory()
-    torch.manual_seed(config.train.seed)
-    tokenizer = load_tokenizer(config.model.name)
-    model = load_model(
-        config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16,
-        float32_attention=config.model.float32_attention,
-    )
-    tasks = {
-        t.name: make_task(t, config.train.seed, config.model.system_prompt, tokenizer) for t in config.tasks
-    }
-    engine = make_engine(config, model, tokenizer)  # engine.kind: hf, or vllm (optional extra)
-    learner = Learner(
-        model, config.algorithm, config.optim, config.rollout.temperature, config.model.bf16, engine.pad_id,
-        total_steps=config.train.steps, teachers=load_teachers(config, model),
-    )
-    sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=config.train.seed)
-    learner.replay_is_cap = config.agents.replay.is_cap
-    if config.rollout.cross_policy is not None:
-        learner.is_cap = config.rollout.cross_policy.is_cap
-    return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler, AgentFeatures(config),
-               MultiTask(config, tasks, tokenizer))
-
-
-RolloutFn = Callable[[list[tuple[Task, int, dict[str, Any]]], int, int, int], list[Trajectory]]
-"""``rollout_fn(requests, seed, version, first_group_id)`` rolls out and scores one group per request."""
-
-
-@dataclass
-class ScoredBatch:
-    """The producing half's output: one step's scored trajectories, advantages assigned, ready to learn from."""
-
-    step: int
-    groups: Sampled
-    shaping: dict[str, float]
-    rollout_time_s: float
-
-    @property
-    def kept(self) -> list[Trajectory]:
-        """The trajectories to train on."""
-        return self.groups.kept
-
-    @property
-    def sampled(self) -> list[Trajectory]:
-        """Everything rolled out for the step (reward and length metrics are over these)."""
-        return self.groups.sampled
-
-
-def local_rollout(run: Run) -> RolloutFn:
-    """Roll out on this process's engine."""
-    r = run.config.rollout
-
-    def rollout_fn(requests, seed: int, version: int, first_id: int) -> list[Trajectory]:
-        return run.agents.rollout(run.engine, requests, r, seed, version, first_id)
-
-    return rollout_fn
-
-
-def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: RolloutFn | None = None) -> ScoredBatch:
-    """Steps 1-4: sample tasks, roll out, score, advantages. ``version`` is the sampling policy's (default
-    step - 1, the synchronous case); ``rollout_fn`` says where rollouts run (default: ``run.engine``)."""
-    cfg, algo, t0 = run.config, run.config.algorithm, time.perf_counter()
-    version = step - 1 if version is None else version
-    rollout_fn = rollout_fn or local_rollout(run)
-
-    mt = run.multitask
-
-    def sample_round(round_index: int, n_prompts: int, first_id: int) -> list[Trajectory]:
-        mt.before_draw(run.sampler, step)  # curriculum: phase / adaptive mixture
-        draws = run.agents.draw(run.sampler, step, n_prompts, round_index)
-        tasks = [mt.task(d.task, run.tasks[d.task]) for d in draws]  # curriculum: difficulty level
-        requests = [(task, d.index, task.train_item(d.index)) for task, d in zip(tasks, draws, strict=True)]
-        # Round 0 keeps the step's seed; extra dynamic-sampling rounds need fresh samples, so fresh seeds.
-        seed = cfg.train.seed * 1_000_003 + step + round_index * 1_000_000_007
-        # rollout.cross_policy: a share of the groups sampled by another policy's engine
-        trajectories = mt.rollout(rollout_fn, lambda eng, reqs, *a: run.agents.rollout(eng, reqs, cfg.rollout, *a),
-                                  requests, seed, version, first_id)
-        mt.after_rollout(trajectories, requests, first_id)  # weighted reward components (env, judge)
-        run.agents.after_rollout(trajectories, step)  # success replay mixes into all-fail groups here
-        return trajectories
-
-    # DAPO dynamic sampling swaps zero-variance groups for new ones
-    groups = dynamic_sample(sample_round, cfg.rollout.prompts_per_step, algo.dynamic_sampling, algo.max_extra_rounds)
-    t_rollout = time.perf_counter() - t0
-    shaping = shape_rewards(groups.sampled, algo, cfg.rollout.max_new_tokens)
-    shaping.update(mt.observe(step, groups.sampled))  # curriculum levels, pass rates, mixture
-    assign_advantages(groups.kept, algo)
-    shaping.update(run.agents.after_advantages(groups.kept, groups.sampled))  # step credit, ARPO attribution
-    return ScoredBatch(step, groups, shaping, t_rollout)
-
-
-def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
-    """Steps 5-7: loss and update, then sync the engine's weights; returns the update's metrics and its time."""
-    t1 = time.perf_counter()
-    faults.point("update", batch.step)
-    update = run.learner.update(batch.kept)
-    run.engine.sync()
-    return update, time.perf_counter() - t1
-
-
-def step_metrics(batch: ScoredBatch, update: dict[str, float], update_time_s: float, step_time_s: float) -> dict:
-    """Step 8's record. Reward and length are over everything sampled (the policy's performance, not the
-    filtered batch)."""
-    sampled, generated = batch.sampled, sum(t.num_model_tokens for t in batch.sampled)
-    return {
-        "reward/mean": mean(t.reward for t in sampled),
-        **{f"reward/{name}": mean(t.reward for t in sampled if t.task == name)
-           for name in sorted({t.task for t in sampled})},
-        **batch.shaping,
-        "response_length/mean": generated / len(sampled),
-        "truncated_frac": mean(float(t.truncated) for t in sampled),
-        **rollout_metrics(sampled),
-        "zero_variance_groups": batch.groups.zero_variance_groups,
-        **batch.groups.metrics(),
-        **update,
-        "tokens_per_s": generated / step_time_s,
-        "rollout/tokens_per_s": generated / batch.rollout_time_s,
-        "train/tokens_per_s": sum(len(t.input_ids) for t in batch.kept) / update_time_s,
-        "rollout_time_s": batch.rollout_time_s,
-        "update_time_s": update_time_s,
-        "step_time_s": step_time_s,
-    }
-
-
-def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
-    """One synchronous RL step; returns the step's metrics and the scored trajectories it trained on.
-    The async and Ray runtimes (polyrl/runtime/) call the same two halves, in other places."""
-    t0 = time.perf_counter()
-    faults.point("rollout", step)
-    batch = produce_batch(run, step)  # 1. sample tasks, 2. roll out, 3. score, 4. advantages
-    update, t_update = learn_batch(run, batch)  # 5. loss, 6. update, 7. sync weights into the engine
-    return step_metrics(batch, update, t_update, time.perf_counter() - t0), batch.kept  # 8. log
-
-
-def evaluate_all(run: Run) -> dict[str, float]:
-    """Greedy held-out accuracy per task, on the policy's own weights (no bf16 copy unless eval.bf16)."""
-    cfg = run.config
-    max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-    # Weights stored in bf16 (LoRA's frozen base) need autocast; the rest of the policy is still evaluated as is.
-    engine = run.engine if cfg.eval.bf16 else HFEngine(run.model, run.tokenizer, bf16=holds_bf16_weights(run.model))
-    return {
-        name: evaluate(engine, task, task.config.eval_size, max_new, cfg.eval.batch_size)["accuracy"]
-        for name, task in run.tasks.items()
-    }
+from polyrl.train.step import NonFiniteError, build_run, evaluate_all
 
 
 def _write_json(path: Path, data: dict) -> None:
