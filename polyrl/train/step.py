@@ -53,6 +53,7 @@ class Run:
 
 
 def build_run(config: Config, run_dir: Path) -> Run:
+    """Load the model and tokenizer, build the tasks, the engine, the learner and the sampler of ``config``."""
     if config.runtime.keep_freed_memory:  # before the model's weights: every process of a run builds one here
         keep_freed_memory()
     torch.manual_seed(config.train.seed)
