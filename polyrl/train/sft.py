@@ -22,15 +22,14 @@ import torch
 from polyrl.config import Config, dump_config
 from polyrl.data.sampler import TaskSampler
 from polyrl.envs.base import Task, make_task
-from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.observe.metrics import open_metrics_logger
 from polyrl.rollout.render import ChatRenderer
-from polyrl.runtime.allocator import keep_freed_memory
 from polyrl.train import faults
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.train.demonstrations import demonstration_example
 from polyrl.train.learner import collate, lr_factor
 from polyrl.train.logprobs import token_logprobs
+from polyrl.train.step import load_policy
 from polyrl.types import Trajectory
 
 
@@ -76,14 +75,7 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
     (as many sequences as an RL step); writes metrics.jsonl, checkpoints and summary.json like ``train``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
-    if config.runtime.keep_freed_memory:  # as build_run does for RL runs
-        keep_freed_memory()
-    torch.manual_seed(config.train.seed)
-    tokenizer = load_tokenizer(config.model.name)
-    model = load_model(
-        config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16,
-        float32_attention=config.model.float32_attention,
-    )
+    tokenizer, model = load_policy(config)
     seed, system_prompt = config.train.seed, config.model.system_prompt
     tasks = {t.name: make_task(t, seed, system_prompt, tokenizer) for t in config.tasks}
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=seed)

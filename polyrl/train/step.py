@@ -52,8 +52,9 @@ class Run:
     multitask: MultiTask | None = None
 
 
-def build_run(config: Config, run_dir: Path) -> Run:
-    """Load the model and tokenizer, build the tasks, the engine, the learner and the sampler of ``config``."""
+def load_policy(config: Config) -> tuple[Any, Any]:
+    """The tokenizer and the policy model of ``config`` (LoRA, bf16 storage and attention as configured),
+    seeded, with the allocator set up first; RL (``build_run``) and SFT runs start here."""
     if config.runtime.keep_freed_memory:  # before the model's weights: every process of a run builds one here
         keep_freed_memory()
     torch.manual_seed(config.train.seed)
@@ -62,6 +63,12 @@ def build_run(config: Config, run_dir: Path) -> Run:
         config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16,
         float32_attention=config.model.float32_attention,
     )
+    return tokenizer, model
+
+
+def build_run(config: Config, run_dir: Path) -> Run:
+    """Load the model and tokenizer, build the tasks, the engine, the learner and the sampler of ``config``."""
+    tokenizer, model = load_policy(config)
     tasks = {
         t.name: make_task(t, config.train.seed, config.model.system_prompt, tokenizer) for t in config.tasks
     }
