@@ -60,6 +60,11 @@ class EngineConfig(_Strict):
     """With ``bf16_weights`` on a Llama-family model (Llama, Mistral, Qwen2): decode with polyrl's fused
     layer loop and prepacked weights instead of the transformers model, about 2x the tokens/s on a CPU
     (docs/performance.md). Other architectures always use the transformers model."""
+    native_kernels: bool = True
+    """With ``fast_decode``: run the small operations of each decode step (residual add with RMSNorm, rotary
+    with the key/value write, attention, SiLU) as fused C++ kernels, built with the machine's C++ compiler
+    on first use and cached (about 10 s, once); 1.2-1.4x the tokens/s (docs/performance.md). Without a
+    compiler the decode path keeps its torch operations, with a warning."""
     recompute_logprobs: bool = False
     """Replace the engine's behaviour log-probs by the learner policy's own (float32 output head, same
     weights, one extra forward per turn); use when the engine's numerics differ from the learner's."""

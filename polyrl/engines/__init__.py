@@ -41,7 +41,8 @@ def make_engine(config: Config, policy: PreTrainedModel, tokenizer: PreTrainedTo
         )
     else:
         engine = HFEngine(
-            policy, tokenizer, bf16=config.model.bf16, bf16_weights=cfg.bf16_weights, fast_decode=cfg.fast_decode
+            policy, tokenizer, bf16=config.model.bf16, bf16_weights=cfg.bf16_weights, fast_decode=cfg.fast_decode,
+            native_kernels=cfg.native_kernels,
         )
     if cfg.recompute_logprobs:
         from polyrl.engines.recompute import RecomputeLogprobs

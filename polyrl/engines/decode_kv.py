@@ -25,21 +25,45 @@ def _zeros(batch: int, kv_heads: int, capacity: int, head_dim: int, layers: int,
 
 
 class KVBuffers:
-    """Keys (float32) and values (``dtype``) of every layer in ``[B, kv_heads, capacity, head_dim]`` buffers;
-    positions below ``length`` are filled, the rest are zeros. Offers the two batch edits the engine makes:
-    repeat each row n times (one prefill shared by a group) and keep a subset of rows (finished rows
+    """Keys and values of every layer in ``[B, kv_heads, capacity, head_dim]`` buffers; positions below
+    ``length`` are filled, the rest are zeros. Keys are float32 for ``attend``; the native kernels keep them
+    in bf16 and transposed, ``[B, kv_heads, head_dim, capacity]`` (``transposed_keys``), so a query's scores
+    are computed sixteen keys at a time without a reduction per key. Offers the two batch edits the engine
+    makes: repeat each row n times (one prefill shared by a group) and keep a subset of rows (finished rows
     dropped)."""
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        length: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        key_dtype: torch.dtype = torch.float32,
+        transposed_keys: bool = False,
+    ):
         cap = _round_up(length + 1, KV_CHUNK)  # room for the first generated token
-        self.keys = _zeros(batch, kv_heads, cap, head_dim, layers, torch.float32)
+        self.transposed_keys = transposed_keys
+        self.keys = _zeros(batch, kv_heads, cap, head_dim, layers, key_dtype)
+        if transposed_keys:
+            self.keys = [k.transpose(2, 3).contiguous() for k in self.keys]
         self.values = _zeros(batch, kv_heads, cap, head_dim, layers, dtype)
         self.length = 0
 
     @property
     def capacity(self) -> int:
         """Positions a row can hold before the buffers grow."""
-        return self.keys[0].shape[2]
+        return self.values[0].shape[2]
+
+    def store_prompt(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store the first ``T`` positions' keys and values ``[B, kv_heads, T, head_dim]`` (prefill)."""
+        t = keys.shape[2]
+        if self.transposed_keys:
+            self.keys[layer][..., :t] = keys.transpose(2, 3)
+        else:
+            self.keys[layer][:, :, :t] = keys
+        self.values[layer][:, :, :t] = values
 
     def reserve(self, capacity: int) -> None:
         """Make room for ``capacity`` positions (growth amortised O(1) per token)."""
@@ -47,15 +71,26 @@ class KVBuffers:
         if capacity <= have:
             return
         new_cap = _round_up(max(capacity, have + have // 4), KV_CHUNK)
-        for bufs in (self.keys, self.values):
-            for i, old in enumerate(bufs):
+        n = self.length
+        for i, old in enumerate(self.values):
+            new = old.new_zeros((*old.shape[:2], new_cap, old.shape[-1]))
+            new[:, :, :n] = old[:, :, :n]
+            self.values[i] = new
+        for i, old in enumerate(self.keys):
+            if self.transposed_keys:
+                new = old.new_zeros((*old.shape[:3], new_cap))
+                new[..., :n] = old[..., :n]
+            else:
                 new = old.new_zeros((*old.shape[:2], new_cap, old.shape[-1]))
-                new[:, :, : self.length] = old[:, :, : self.length]
-                bufs[i] = new
+                new[:, :, :n] = old[:, :, :n]
+            self.keys[i] = new
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the new position's keys and values ``[B, kv_heads, head_dim]`` (``reserve`` first)."""
-        self.keys[layer][:, :, self.length] = keys
+        if self.transposed_keys:
+            self.keys[layer][..., self.length] = keys
+        else:
+            self.keys[layer][:, :, self.length] = keys
         self.values[layer][:, :, self.length] = values
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -78,7 +113,7 @@ class KVBuffers:
         """Attention of one query position per row: ``q`` [B, kv_heads, g, d] (the g query heads sharing a
         key/value head as its rows), ``bias`` from ``attention_bias``; returns [B, kv_heads, g, d] in the
         values' dtype."""
-        values = self.values[layer]
-        scores = torch.matmul(q.float() * scale, self.keys[layer].transpose(-1, -2))
+        values, keys = self.values[layer], self.keys[layer].float()
+        scores = torch.matmul(q.float() * scale, keys if self.transposed_keys else keys.transpose(-1, -2))
         scores += bias
         return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)

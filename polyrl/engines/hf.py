@@ -142,6 +142,7 @@ class HFEngine:
         bf16_weights: bool = False,
         preallocate_cache: bool = True,
         fast_decode: bool = True,
+        native_kernels: bool = True,
     ) -> None:
         self.policy = policy
         # False keeps transformers' growing DynamicCache: the reference the preallocated one is tested against.
@@ -153,7 +154,9 @@ class HFEngine:
         self.fast: llama_decode.LlamaDecoder | None = None
         if bf16_weights and fast_decode and llama_decode.supports(policy):
             self.head_weight = policy.get_output_embeddings().weight.detach().clone()
-            self.fast = llama_decode.LlamaDecoder(policy, self.head_weight, torch.bfloat16)
+            self.fast = llama_decode.LlamaDecoder(
+                policy, self.head_weight, torch.bfloat16, native_kernels=native_kernels
+            )
             self.model, self.bf16 = policy, False
         elif bf16_weights:
             self.model = bf16_copy(policy)

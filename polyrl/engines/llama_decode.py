@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from polyrl.engines import native
 from polyrl.engines.decode_kv import KVBuffers
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
@@ -136,6 +137,7 @@ class LlamaDecoder:
         head_weight: torch.Tensor,
         dtype: torch.dtype = torch.bfloat16,
         exact_top: int = 32,
+        native_kernels: bool = True,
     ):
         cfg = _config(policy)
         # Below float32 the head runs in ``dtype`` too and the ``exact_top`` largest logits of each row are
@@ -157,6 +159,10 @@ class LlamaDecoder:
         self.layers = [self._fuse(layer) for layer in decoder.layers]
         self.final_norm = decoder.norm.weight.detach().to(dtype).clone()
         self.head_low = self._matmul_weight(head_weight) if self.exact_top else None
+        # The C++ kernels (engines/native) replace the small bf16 operations of a decode step; they keep keys
+        # in bf16 (the same values as float32 keys: rotary rounds them to bf16 first), transposed (decode_kv).
+        self.native = native_kernels and dtype == torch.bfloat16 and native.available()
+        self.key_dtype = torch.bfloat16 if self.native else torch.float32
 
     def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """Our own copy of ``weight`` in ``dtype``, prepacked when packing is on."""
@@ -209,7 +215,10 @@ class LlamaDecoder:
         So all logits are computed in ``dtype`` and the ``exact_top`` largest of each row are recomputed in
         float32: the sampled distribution and its recorded log-probs are exact where the mass is and off
         by the rounding only in the tail."""
-        hidden = rms_norm(x, self.final_norm, self.eps)
+        return self._logits(rms_norm(x, self.final_norm, self.eps))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``_head`` after the final norm."""
         if self.head_low is None:
             return F.linear(hidden.float(), self.head_weight)
         logits = self.linear(hidden, self.head_low).float()
@@ -238,7 +247,7 @@ class LlamaDecoder:
         # Padding queries attend to themselves only, so no softmax row is empty (an empty one would give NaN).
         allowed = (causal & mask.bool()[:, None, :]) | torch.eye(t, dtype=torch.bool)
         allowed = allowed[:, None]
-        kv = KVBuffers(len(self.layers), b, self.kv_heads, t, self.head_dim, self.dtype)
+        kv = KVBuffers(len(self.layers), b, self.kv_heads, t, self.head_dim, self.dtype, self.key_dtype, self.native)
         nh, d = self.heads, self.head_dim
         x = x.view(b * t, -1)  # matmuls see rows; attention sees [B, heads, T, d]
         for i, layer in enumerate(self.layers):
@@ -247,8 +256,7 @@ class LlamaDecoder:
             qk = qk * cos + rotate_half(qk) * sin
             q, k = qk[:, :, :nh].transpose(1, 2), qk[:, :, nh:].transpose(1, 2)
             v = qkv[..., self.qk_width :].view(b, t, self.kv_heads, d).transpose(1, 2)
-            kv.keys[i][:, :, :t] = k
-            kv.values[i][:, :, :t] = v
+            kv.store_prompt(i, k, v)
             att = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
             x = x + self.linear(att.transpose(1, 2).reshape(b * t, nh * d), layer.o)
             x = self._mlp(layer, x)
@@ -263,6 +271,8 @@ class LlamaDecoder:
         appends to ``kv`` and returns float32 logits [B, V]."""
         b, t = tokens.shape[0], kv.length
         kv.reserve(t + 1)
+        if self.native:
+            return self._decode_native(tokens, mask, positions, kv)
         x = self._embed(tokens)
         cos, sin = self._rope(x, positions[:, None])  # [B, 1, d]: broadcast over the heads
         bias = kv.attention_bias(mask)
@@ -278,3 +288,25 @@ class LlamaDecoder:
             x = self._mlp(layer, x)
         kv.length = t + 1
         return self._head(x)
+
+    def _decode_native(
+        self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, kv: KVBuffers
+    ) -> torch.Tensor:
+        """``decode`` with the C++ kernels: per layer four matmuls and four fused kernels (residual add with
+        RMSNorm, rotary with the key/value write, attention, SiLU-and-multiply), the same roundings."""
+        t, ops = kv.length, native.ops()
+        x = self._embed(tokens).contiguous()  # the residual stream, updated in place by add_rms_norm
+        cos, sin = self._rope(x, positions[:, None])
+        bias = kv.attention_bias(mask).view(x.shape[0], -1)
+        nh, kvh, eps, scale = self.heads, self.kv_heads, self.eps, self.head_dim**-0.5
+        h = ops.add_rms_norm(x, None, self.layers[0].in_norm, eps)
+        for i, layer in enumerate(self.layers):
+            qkv = self.linear(h, layer.qkv, layer.qkv_bias)
+            ops.rope_write(qkv, cos, sin, kv.keys[i], kv.values[i], t, nh, kvh)
+            att = ops.decode_attention(qkv, kv.keys[i], kv.values[i], bias, t + 1, scale, nh, kvh)
+            h = ops.add_rms_norm(x, self.linear(att, layer.o), layer.post_norm, eps)
+            up = ops.silu_mul(self.linear(h, layer.gate_up))
+            after = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.final_norm
+            h = ops.add_rms_norm(x, self.linear(up, layer.down), after, eps)
+        kv.length = t + 1
+        return self._logits(h)

@@ -1,0 +1,80 @@
+"""Fused C++ kernels for the fused decode path, compiled on first use and cached.
+
+``available()`` builds the ``*.cpp`` files beside this module with torch's extension builder (a C++ compiler
+and ninja are needed; ninja is a dependency) into the polyrl cache, keyed by the sources, the torch version
+and this CPU's instruction sets (the build targets the CPU it runs on), and loads them as
+``torch.ops.polyrl_native``. Without a compiler, or with ``POLYRL_NATIVE=0`` in the environment, it returns
+False, with a warning in the first case, and the decode path keeps its torch operations: the kernels are an
+acceleration, never a requirement.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+_state: dict[str, bool] = {}
+
+
+def _cpu_flags() -> bytes:
+    """This CPU's feature flags: a binary built with -march=native must not be reused on another CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.encode()
+    except OSError:
+        pass
+    return platform.processor().encode()
+
+
+def _build_dir() -> Path:
+    from polyrl.models.loading import cache_dir
+
+    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    key = digest.hexdigest()[:16]
+    path = cache_dir() / "native" / key
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _load() -> bool:
+    if os.environ.get("POLYRL_NATIVE", "1") == "0":
+        return False
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.load(
+            name="polyrl_native",
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(_build_dir()),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as err:  # no compiler, no ninja, a build error: keep the torch path
+        log.warning("polyrl native decode kernels unavailable (%s); using torch operations", str(err)[:200])
+        return False
+    return hasattr(torch.ops.polyrl_native, "decode_attention")
+
+
+def available() -> bool:
+    """True once the kernels are built and loaded (the build runs once per process, then hits the cache)."""
+    if "ok" not in _state:
+        _state["ok"] = _load()
+    return _state["ok"]
+
+
+def ops():
+    """The kernels' namespace, ``torch.ops.polyrl_native`` (call ``available()`` first)."""
+    return torch.ops.polyrl_native

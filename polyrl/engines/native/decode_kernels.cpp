@@ -1,0 +1,402 @@
+// Fused CPU kernels for one decode step of the fused Llama decode path (polyrl/engines/llama_decode.py).
+//
+// Why: at RL batch sizes a decode step on a CPU spends as long in the small operations between the matmuls
+// (norms, rotary, attention over a few hundred keys, SiLU) as in the matmuls, mostly in per-operation
+// overhead and in extra passes over memory. Each kernel below does one of those groups in one pass and
+// rounds to bfloat16 exactly where the torch operations it replaces do, so results agree with them to the
+// order of float32 summation (tests/test_native_kernels.py).
+//
+// Registered as torch operators (namespace polyrl_native); built on first use by polyrl/engines/native.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#include <sleef.h>  // shipped with torch; the exp torch's own vectorised kernels use
+#endif
+
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float f(bf16 x) { return static_cast<float>(x); }
+inline bf16 r(float x) { return bf16(x); }  // round to nearest even, as torch's casts
+
+#ifdef __AVX512F__
+// 16 lanes at a time: bf16 <-> float32 conversions with torch's rounding (nearest even), and exp.
+inline __m512 load16(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512i round_bits(__m512 v) {  // float bits rounded to nearest-even bf16, kept in the high half
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+}
+inline __m512 rnd16(__m512 v) {  // v rounded to bf16, as float32
+  return _mm512_castsi512_ps(_mm512_and_si512(round_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void store16(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bits(v), 16)));
+}
+#endif
+
+void check_bf16_2d(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dtype() == at::kBFloat16, name, " must be bfloat16");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+}
+
+// x <- bf16(x + delta) (when delta is given), then returns bf16(weight * bf16(x * rsqrt(mean(x^2) + eps))):
+// the residual add and Llama's RMSNorm as torch computes them in bfloat16 (statistics in float32).
+at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
+                        double eps) {
+  check_bf16_2d(x, "x");
+  const int64_t rows = x.size(0), width = x.size(1);
+  const bool add = delta.has_value();
+  if (add) check_bf16_2d(*delta, "delta");
+  auto w = weight.contiguous();
+  auto out = at::empty({rows, width}, x.options());
+  bf16* xp = x.data_ptr<bf16>();
+  const bf16* dp = add ? delta->data_ptr<bf16>() : nullptr;
+  const bf16* wp = w.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t xs = x.stride(0), ds = add ? delta->stride(0) : 0;
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> v(width);
+    for (int64_t i = begin; i < end; ++i) {
+      bf16* xr = xp + i * xs;
+      float ss = 0.f;
+      int64_t j0 = 0;
+#ifdef __AVX512F__
+      __m512 acc = _mm512_setzero_ps();
+      for (; j0 + 16 <= width; j0 += 16) {
+        __m512 a = load16(xr + j0);
+        if (add) {
+          a = rnd16(_mm512_add_ps(a, load16(dp + i * ds + j0)));
+          store16(xr + j0, a);
+        }
+        _mm512_storeu_ps(v.data() + j0, a);
+        acc = _mm512_fmadd_ps(a, a, acc);
+      }
+      ss = _mm512_reduce_add_ps(acc);
+#endif
+      for (int64_t j = j0; j < width; ++j) {
+        float a = add ? f(r(f(xr[j]) + f(dp[i * ds + j]))) : f(xr[j]);
+        v[j] = a;
+        ss += a * a;
+      }
+      if (add)
+        for (int64_t j = j0; j < width; ++j) xr[j] = r(v[j]);
+      const float rstd = 1.f / std::sqrt(ss / static_cast<float>(width) + static_cast<float>(eps));
+      bf16* o = op + i * width;
+      int64_t j1 = 0;
+#ifdef __AVX512F__
+      const __m512 rs = _mm512_set1_ps(rstd);
+      for (; j1 + 16 <= width; j1 += 16)
+        store16(o + j1, _mm512_mul_ps(load16(wp + j1), rnd16(_mm512_mul_ps(_mm512_loadu_ps(v.data() + j1), rs))));
+#endif
+      for (int64_t j = j1; j < width; ++j) o[j] = r(f(wp[j]) * f(r(v[j] * rstd)));
+    }
+  });
+  return out;
+}
+
+// Rotary embedding of the query and key heads of ``qkv`` [B, (heads + 2 kv_heads) * d] as
+// bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)); the rotated queries are written back into ``qkv``, the
+// rotated keys into ``keys`` [B, kv_heads, d, capacity] (transposed) and the values into ``values``
+// [B, kv_heads, capacity, d], at ``position``.
+void rope_write(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys, at::Tensor values,
+                int64_t position, int64_t heads, int64_t kv_heads) {
+  check_bf16_2d(qkv, "qkv");
+  TORCH_CHECK(keys.dtype() == at::kBFloat16 && values.dtype() == at::kBFloat16, "keys and values must be bf16");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "keys and values must be contiguous");
+  const int64_t rows = qkv.size(0), d = values.size(3), cap = values.size(2), half = d / 2;
+  TORCH_CHECK(keys.size(2) == d && keys.size(3) == cap, "keys must be [B, kv_heads, head_dim, capacity]");
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * d, "qkv width does not match the heads");
+  TORCH_CHECK(position >= 0 && position < cap, "position outside the key buffer");
+  auto c = cos.reshape({rows, d}).contiguous(), s = sin.reshape({rows, d}).contiguous();
+  TORCH_CHECK(c.dtype() == at::kBFloat16 && s.dtype() == at::kBFloat16, "cos and sin must be bf16");
+  bf16* qp = qkv.data_ptr<bf16>();
+  const bf16* cp = c.data_ptr<bf16>();
+  const bf16* sp = s.data_ptr<bf16>();
+  bf16* kp = keys.data_ptr<bf16>();
+  bf16* vp = values.data_ptr<bf16>();
+  const int64_t qs = qkv.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<bf16> tmp(d);
+    for (int64_t b = begin; b < end; ++b) {
+      bf16* row = qp + b * qs;
+      const bf16* cb = cp + b * d;
+      const bf16* sb = sp + b * d;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        bf16* x = row + h * d;
+        bf16* dst = h < heads ? x : tmp.data();
+#ifdef __AVX512F__
+        if (half % 16 == 0) {
+          for (int64_t j = 0; j < half; j += 16) {
+            const __m512 lo = load16(x + j), hi = load16(x + j + half);
+            const __m512 a = rnd16(_mm512_mul_ps(lo, load16(cb + j)));
+            const __m512 b2 = rnd16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), load16(sb + j)));
+            const __m512 c2 = rnd16(_mm512_mul_ps(hi, load16(cb + j + half)));
+            const __m512 s2 = rnd16(_mm512_mul_ps(lo, load16(sb + j + half)));
+            store16(dst + j, _mm512_add_ps(a, b2));
+            store16(dst + j + half, _mm512_add_ps(c2, s2));
+          }
+        } else
+#endif
+        {
+          for (int64_t j = 0; j < d; ++j) {
+            const float rot = j < half ? -f(x[j + half]) : f(x[j - half]);
+            tmp[j] = r(f(r(f(x[j]) * f(cb[j]))) + f(r(rot * f(sb[j]))));
+          }
+          for (int64_t j = 0; j < d; ++j) dst[j] = tmp[j];
+        }
+        if (h >= heads) {
+          bf16* kt = kp + (b * kv_heads + (h - heads)) * d * cap + position;
+          for (int64_t j = 0; j < d; ++j) kt[j * cap] = tmp[j];
+        }
+      }
+      const bf16* v = row + (heads + kv_heads) * d;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        bf16* dst = vp + ((b * kv_heads + h) * cap + position) * d;
+        for (int64_t j = 0; j < d; ++j) dst[j] = v[h * d + j];
+      }
+    }
+  });
+}
+
+// Softmax of each of the g score rows (``stride`` apart, ``length`` used) in place, the probabilities
+// rounded to bf16 (as SDPA rounds them before they weight bf16 values). Masked scores are -inf.
+void softmax_rows(float* scores, int g, int64_t stride, int64_t length) {
+  for (int i = 0; i < g; ++i) {
+    float* s = scores + i * stride;
+    int64_t t = 0;
+    float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+#ifdef __AVX512F__
+    __m512 mv = _mm512_set1_ps(m);
+    for (; t + 16 <= length; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
+    m = _mm512_reduce_max_ps(mv);
+#endif
+    for (; t < length; ++t) m = s[t] > m ? s[t] : m;
+    t = 0;
+#ifdef __AVX512F__
+    const __m512 mm = _mm512_set1_ps(m);
+    __m512 sv = _mm512_setzero_ps();
+    for (; t + 16 <= length; t += 16) {
+      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(s + t), mm));
+      _mm512_storeu_ps(s + t, e);
+      sv = _mm512_add_ps(sv, e);
+    }
+    sum = _mm512_reduce_add_ps(sv);
+#endif
+    for (; t < length; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    const float inv = 1.f / sum;
+    t = 0;
+#ifdef __AVX512F__
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (; t + 16 <= length; t += 16) _mm512_storeu_ps(s + t, rnd16(_mm512_mul_ps(_mm512_loadu_ps(s + t), iv)));
+#endif
+    for (; t < length; ++t) s[t] = f(r(s[t] * inv));
+  }
+}
+
+#ifdef __AVX512F__
+// Scores of G query heads sixteen keys at a time: each key dimension j is one 16-wide load of the transposed
+// keys, broadcast-multiplied by query j of each head (G fixed at compile time keeps the accumulators in
+// registers). Positions up to the next multiple of 16 lie inside the buffer (its capacity is a multiple of 16);
+// those past ``length`` are never read back. Returns the first position not computed.
+template <int G>
+int64_t scores16_g(const float* qf, int64_t d, const bf16* kt, int64_t cap, int64_t length, float* scores) {
+  int64_t t0 = 0;
+  for (; t0 + 16 <= cap && t0 < length; t0 += 16) {
+    __m512 acc[G];
+    for (int i = 0; i < G; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < d; ++j) {
+      const __m512 kj = load16(kt + j * cap + t0);
+      for (int i = 0; i < G; ++i) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[i * d + j]), kj, acc[i]);
+    }
+    for (int i = 0; i < G; ++i) _mm512_storeu_ps(scores + i * cap + t0, acc[i]);
+  }
+  return t0;
+}
+
+// out[i] = sum_t p[i, t] v[t] for G heads and head_dim NV * 16, the sums in registers.
+template <int G, int NV>
+void weigh_values_g(const float* p, int64_t cap, const bf16* v, int64_t length, bf16* out) {
+  __m512 acc[G][NV];
+  for (int i = 0; i < G; ++i)
+    for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < length; ++t) {
+    __m512 vv[NV];
+    for (int c = 0; c < NV; ++c) vv[c] = load16(v + t * NV * 16 + c * 16);
+    for (int i = 0; i < G; ++i) {
+      const __m512 pv = _mm512_set1_ps(p[i * cap + t]);
+      for (int c = 0; c < NV; ++c) acc[i][c] = _mm512_fmadd_ps(pv, vv[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int c = 0; c < NV; ++c) store16(out + (i * NV + c) * 16, acc[i][c]);
+}
+
+template <int NV>
+void weigh_values_nv(int g, const float* p, int64_t cap, const bf16* v, int64_t length, bf16* out) {
+  switch (g) {
+    case 1: return weigh_values_g<1, NV>(p, cap, v, length, out);
+    case 2: return weigh_values_g<2, NV>(p, cap, v, length, out);
+    case 3: return weigh_values_g<3, NV>(p, cap, v, length, out);
+    case 4: return weigh_values_g<4, NV>(p, cap, v, length, out);
+    case 5: return weigh_values_g<5, NV>(p, cap, v, length, out);
+    case 6: return weigh_values_g<6, NV>(p, cap, v, length, out);
+    case 7: return weigh_values_g<7, NV>(p, cap, v, length, out);
+    default: return weigh_values_g<8, NV>(p, cap, v, length, out);
+  }
+}
+
+// The vectorised weighting for head_dim 64 or 128; false for other widths (the caller's loop does them).
+bool weigh_values(int g, int64_t d, const float* p, int64_t cap, const bf16* v, int64_t length, bf16* out) {
+  if (d == 64) weigh_values_nv<4>(g, p, cap, v, length, out);
+  else if (d == 128) weigh_values_nv<8>(g, p, cap, v, length, out);
+  else return false;
+  return true;
+}
+
+int64_t scores16(int g, const float* qf, int64_t d, const bf16* kt, int64_t cap, int64_t length, float* scores) {
+  switch (g) {
+    case 1: return scores16_g<1>(qf, d, kt, cap, length, scores);
+    case 2: return scores16_g<2>(qf, d, kt, cap, length, scores);
+    case 3: return scores16_g<3>(qf, d, kt, cap, length, scores);
+    case 4: return scores16_g<4>(qf, d, kt, cap, length, scores);
+    case 5: return scores16_g<5>(qf, d, kt, cap, length, scores);
+    case 6: return scores16_g<6>(qf, d, kt, cap, length, scores);
+    case 7: return scores16_g<7>(qf, d, kt, cap, length, scores);
+    default: return scores16_g<8>(qf, d, kt, cap, length, scores);
+  }
+}
+#endif
+
+// Attention of one query position per row over the first ``length`` positions, for the g query heads of one
+// key/value head: ``kt`` [d, cap] (transposed keys), ``v`` [cap, d]. Scores and softmax in float32 (bf16 keys
+// are exact in float32), probabilities rounded to bf16, the output rounded to bf16 once.
+void attend_group(const bf16* q, int g, int64_t d, const bf16* kt, const bf16* v, int64_t cap, const float* bias,
+                  int64_t length, float scale, bf16* out, float* scores, float* qf, float* acc) {
+  for (int i = 0; i < g; ++i)
+    for (int64_t j = 0; j < d; ++j) qf[i * d + j] = f(q[i * d + j]) * scale;
+  int64_t t0 = 0;
+#ifdef __AVX512F__
+  t0 = scores16(g, qf, d, kt, cap, length, scores);
+#endif
+  for (int64_t t = t0; t < length; ++t)
+    for (int i = 0; i < g; ++i) {
+      float s = 0.f;
+      for (int64_t j = 0; j < d; ++j) s += qf[i * d + j] * f(kt[j * cap + t]);
+      scores[i * cap + t] = s;
+    }
+  for (int i = 0; i < g; ++i)
+    for (int64_t t = 0; t < length; ++t) scores[i * cap + t] += bias[t];
+  softmax_rows(scores, g, cap, length);
+#ifdef __AVX512F__
+  if (weigh_values(g, d, scores, cap, v, length, out)) return;
+#endif
+  for (int64_t j = 0; j < g * d; ++j) acc[j] = 0.f;
+  for (int64_t t = 0; t < length; ++t) {
+    const bf16* vt = v + t * d;
+    for (int i = 0; i < g; ++i) {
+      const float p = scores[i * cap + t];
+      for (int64_t j = 0; j < d; ++j) acc[i * d + j] += p * f(vt[j]);
+    }
+  }
+  for (int64_t j = 0; j < g * d; ++j) out[j] = r(acc[j]);
+}
+
+// Attention of one query position per row over the first ``length`` positions of the key/value buffers
+// (keys [B, kv_heads, d, capacity], values [B, kv_heads, capacity, d]), grouped-query: query head h reads
+// key/value head h / (heads / kv_heads). ``bias`` [B, capacity] is 0 for visible keys and -inf for masked ones.
+// Returns [B, heads * d] in bf16, the layout the output projection reads.
+at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& keys, const at::Tensor& values,
+                            const at::Tensor& bias, int64_t length, double scale, int64_t heads, int64_t kv_heads) {
+  check_bf16_2d(qkv, "qkv");
+  TORCH_CHECK(keys.dtype() == at::kBFloat16 && values.dtype() == at::kBFloat16, "keys and values must be bf16");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "keys and values must be contiguous");
+  TORCH_CHECK(bias.dtype() == at::kFloat && bias.dim() == 2 && bias.stride(1) == 1, "bias must be float [B, T]");
+  const int64_t rows = qkv.size(0), d = values.size(3), cap = values.size(2);
+  TORCH_CHECK(keys.size(2) == d && keys.size(3) == cap, "keys must be [B, kv_heads, head_dim, capacity]");
+  const int64_t g = heads / kv_heads;
+  TORCH_CHECK(heads % kv_heads == 0 && g <= 8, "at most 8 query heads per key/value head");
+  TORCH_CHECK(length >= 1 && length <= cap && bias.size(1) >= length, "length outside the buffers");
+  auto out = at::empty({rows, heads * d}, qkv.options());
+  const bf16* qp = qkv.data_ptr<bf16>();
+  const bf16* kp = keys.data_ptr<bf16>();
+  const bf16* vp = values.data_ptr<bf16>();
+  const float* bp = bias.data_ptr<float>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t qs = qkv.stride(0), bs = bias.stride(0);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(g * cap), qf(g * d), acc(g * d);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / kv_heads, h = task % kv_heads;
+      attend_group(qp + b * qs + h * g * d, static_cast<int>(g), d, kp + (b * kv_heads + h) * d * cap,
+                   vp + (b * kv_heads + h) * cap * d, cap, bp + b * bs, length, sc, op + b * heads * d + h * g * d,
+                   scores.data(), qf.data(), acc.data());
+    }
+  });
+  return out;
+}
+
+// bf16(bf16(silu(gate)) * up) for ``gate_up`` [B, 2 I] holding gate then up: the MLP's activation.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_bf16_2d(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
+  auto out = at::empty({rows, inner}, gate_up.options());
+  const bf16* gp = gate_up.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  const int64_t gs = gate_up.stride(0);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const bf16* gate = gp + i * gs;
+      const bf16* up = gate + inner;
+      bf16* o = op + i * inner;
+      int64_t j0 = 0;
+#ifdef __AVX512F__
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; j0 + 16 <= inner; j0 += 16) {
+        const __m512 x = load16(gate + j0);
+        const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        store16(o + j0, _mm512_mul_ps(rnd16(_mm512_div_ps(x, _mm512_add_ps(one, e))), load16(up + j0)));
+      }
+#endif
+      for (int64_t j = j0; j < inner; ++j) {
+        const float x = f(gate[j]);
+        o[j] = r(f(r(x / (1.f + std::exp(-x)))) * f(up[j]));
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(polyrl_native, m) {
+  m.def("add_rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
+  m.def("rope_write(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) keys, Tensor(c!) values, int position, "
+        "int heads, int kv_heads) -> ()");
+  m.def("decode_attention(Tensor qkv, Tensor keys, Tensor values, Tensor bias, int length, float scale, "
+        "int heads, int kv_heads) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(polyrl_native, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_write", &rope_write);
+  m.impl("decode_attention", &decode_attention);
+  m.impl("silu_mul", &silu_mul);
+}
