@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from polyrl.engines import llama_decode
+from polyrl.engines import llama_decode, native
 from polyrl.engines.kv_cache import preallocate
 from polyrl.models.forward import decoder_forward
 
@@ -46,13 +46,18 @@ def sampling_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def sample_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    native_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; temperature 0 is greedy. Returns (tokens [B], log-probs [B]).
 
     Sampling inverts each row's CDF at one uniform draw, so a step draws B random numbers. ``torch.multinomial``
     draws one exponential per vocabulary entry instead (B x 49152 for SmolLM2), which on a CPU cost more than
-    the whole decoder step at batch 16.
+    the whole decoder step at batch 16. With ``native_kernel`` (and no nucleus) the same inversion runs as one
+    C++ kernel (``engines/native``), at the same uniform draw.
     """
     if temperature == 0:
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -68,6 +73,8 @@ def sample_tokens(
         picked = inverse_cdf(sorted_probs * kept, u, kept.sum(-1, keepdim=True) - 1)
         tokens = order.gather(-1, picked).squeeze(-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    if native_kernel and logits.dtype == torch.float32:
+        return native.ops().sample_inverse_cdf(logits.contiguous(), u, temperature)
     # Unnormalised weights exp(x - max): the softmax without its division, log-probs from the same sums.
     top = scaled.amax(-1, keepdim=True)
     weights = (scaled - top).exp_()
@@ -151,6 +158,7 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id}
         self.head_weight: torch.Tensor | None = None
+        self.native_sampling = native_kernels and native.available()
         self.fast: llama_decode.LlamaDecoder | None = None
         if bf16_weights and fast_decode and llama_decode.supports(policy):
             self.head_weight = policy.get_output_embeddings().weight.detach().clone()
@@ -248,7 +256,7 @@ class HFEngine:
         ents: list[list[float]] | None = [[] for _ in range(total)] if entropy else None
 
         for step in range(max_new_tokens):
-            tok, lp = sample_tokens(logits, temperature, top_p, generator)
+            tok, lp = sample_tokens(logits, temperature, top_p, generator, self.native_sampling)
             row_list, tok_list, lp_list = rows.tolist(), tok.tolist(), lp.tolist()
             ent_list = sampling_entropy(logits, temperature).tolist() if (entropy or stop) else None
             flags = stop(row_list, tok_list, lp_list, ent_list) if stop is not None else None

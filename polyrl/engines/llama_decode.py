@@ -221,7 +221,10 @@ class LlamaDecoder:
         """``_head`` after the final norm."""
         if self.head_low is None:
             return F.linear(hidden.float(), self.head_weight)
-        logits = self.linear(hidden, self.head_low).float()
+        low = self.linear(hidden, self.head_low)
+        if self.native:  # the same, in two passes over each row
+            return native.ops().rescore_head(low, hidden, self.head_weight, self.exact_top)
+        logits = low.float()
         top = blocked_topk(logits, self.exact_top)
         exact = torch.bmm(self.head_weight[top], hidden.float()[:, :, None]).squeeze(-1)
         return logits.scatter_(1, top, exact)
