@@ -41,13 +41,15 @@ def main() -> None:
         return torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
     paths = {
-        "transformers model, bf16 copy": dict(fast_decode=False),
+        "transformers model, bf16 copy": dict(fast_decode=False, native_kernels=False),
         "fused, float32 head": dict(exact_top=0),
-        "fused, bf16 head + float32 top-32 (default)": dict(),
+        "fused, bf16 head + float32 top-32, torch operations": dict(native_kernels=False),
+        "fused, bf16 head + float32 top-32, native kernels (default)": dict(),
     }
     results = {}
     for label, kw in paths.items():
-        engine = HFEngine(model, tok, bf16=True, bf16_weights=True, fast_decode=kw.get("fast_decode", True))
+        engine = HFEngine(model, tok, bf16=True, bf16_weights=True, fast_decode=kw.get("fast_decode", True),
+                          native_kernels=kw.get("native_kernels", True))
         if kw.get("exact_top") == 0:
             engine.fast.exact_top, engine.fast.head_low = 0, None
         groups = engine.generate(prompts, n=8, max_new_tokens=48, temperature=1.0, seed=7)
@@ -57,7 +59,7 @@ def main() -> None:
         ])
         results[label] = {"tokens": len(gaps), "mean": gaps.mean().item(), "p99": gaps.quantile(0.99).item(),
                           "max": gaps.max().item()}
-        print(f"{label:<46} tokens {len(gaps):>4}  mean {gaps.mean():.4f}  p99 {gaps.quantile(0.99):.4f}  "
+        print(f"{label:<60} tokens {len(gaps):>4}  mean {gaps.mean():.4f}  p99 {gaps.quantile(0.99):.4f}  "
               f"max {gaps.max():.4f}", flush=True)
     out = ROOT / "benchmarks" / "results" / "decode_precision.json"
     out.write_text(json.dumps(results, indent=2) + "\n")

@@ -90,6 +90,27 @@ def measure_rollout(engine, prompt: list[int], prompts: int, group: int, new_tok
     return prompts * group * new_tokens / seconds
 
 
+def matmul_ceiling(engine, rows: int, repeats: int) -> float:
+    """Tokens/s of a decode step's matmuls alone at ``rows`` rows (every layer's fused weights and the bf16
+    head, as the fused path runs them, on random inputs): the rate the decode path would reach if nothing but
+    its matmuls took time."""
+    dec = engine.fast
+    x_h = torch.randn(rows, dec.final_norm.numel(), dtype=dec.dtype)
+    # Packed weights do not keep the [out, in] shape: the MLP's inner width is read off a product.
+    x_i = torch.randn(rows, dec.linear(x_h, dec.layers[0].gate_up).shape[-1] // 2, dtype=dec.dtype)
+    x_a = torch.randn(rows, dec.heads * dec.head_dim, dtype=dec.dtype)
+
+    def step():
+        for layer in dec.layers:
+            dec.linear(x_h, layer.qkv, layer.qkv_bias)
+            dec.linear(x_a, layer.o)
+            dec.linear(x_h, layer.gate_up)
+            dec.linear(x_i, layer.down)
+        dec.linear(x_h, dec.head_low)
+
+    return rows / median_time(step, repeats, 0.5)
+
+
 def rollout_trajectories(engine, prompt: list[int], prompts: int, group: int, new_tokens: int) -> list:
     """Scored-looking trajectories from real samples, with random advantages so every token has a gradient."""
     from polyrl.types import Trajectory
@@ -186,6 +207,11 @@ def main() -> None:
         wide[prompts * args.group] = measure_rollout(engine, prompt, prompts, args.group, args.new_tokens, args.repeats)
     from polyrl.engines.hf import HFEngine
 
+    ceilings = {rows: matmul_ceiling(engine, rows, args.repeats) for rows in [batch, *wide]}
+    torch_ops = HFEngine(model, tokenizer, bf16=True, bf16_weights=True, native_kernels=False)
+    torch_ops.generate([prompt] * args.prompts, n=args.group, max_new_tokens=8)
+    rollout_torch_ops = measure_rollout(torch_ops, prompt, args.prompts, args.group, args.new_tokens, args.repeats)
+    del torch_ops
     reference = HFEngine(model, tokenizer, bf16=True, bf16_weights=True, fast_decode=False)
     reference.generate([prompt] * args.prompts, n=args.group, max_new_tokens=8)
     rollout_ref = measure_rollout(reference, prompt, args.prompts, args.group, args.new_tokens, args.repeats)
@@ -224,8 +250,14 @@ def main() -> None:
             "fraction_of_attainable": rollout / min(compute_bound, memory_bound),
             "rows": batch,
             "transformers_path_tokens_per_s": rollout_ref,
+            "native_kernels": bool(engine.fast is not None and engine.fast.native),
+            "torch_operations_tokens_per_s": rollout_torch_ops,
+            "matmuls_alone_tokens_per_s": ceilings[batch],
+            "matmuls_alone_fraction_of_compute_bound": ceilings[batch] / compute_bound,
             "wide": [
-                {"rows": rows, "tokens_per_s": v, "fraction_of_compute_bound": v / compute_bound}
+                {"rows": rows, "tokens_per_s": v, "fraction_of_compute_bound": v / compute_bound,
+                 "matmuls_alone_tokens_per_s": ceilings[rows],
+                 "matmuls_alone_fraction_of_compute_bound": ceilings[rows] / compute_bound}
                 for rows, v in wide.items()
             ],
         },
@@ -245,9 +277,13 @@ def main() -> None:
     print(f"rollout: {rollout:.1f} tok/s = {r['fraction_of_compute_bound']:.0%} of the bf16 compute bound "
           f"({compute_bound:.0f}), {r['fraction_of_attainable']:.0%} of the attainable "
           f"{min(compute_bound, memory_bound):.0f}")
+    print(f"  its matmuls alone: {r['matmuls_alone_tokens_per_s']:.0f} tok/s = "
+          f"{r['matmuls_alone_fraction_of_compute_bound']:.0%} of the bound")
     for w in r["wide"]:
-        print(f"rollout at {w['rows']} rows: {w['tokens_per_s']:.1f} tok/s = {w['fraction_of_compute_bound']:.0%}")
-    print(f"the transformers path at {batch} rows: {rollout_ref:.1f} tok/s")
+        print(f"rollout at {w['rows']} rows: {w['tokens_per_s']:.1f} tok/s = {w['fraction_of_compute_bound']:.0%}; "
+              f"its matmuls alone {w['matmuls_alone_fraction_of_compute_bound']:.0%}")
+    print(f"the fused path with torch operations (engine.native_kernels off) at {batch} rows: "
+          f"{rollout_torch_ops:.1f} tok/s; the transformers path: {rollout_ref:.1f} tok/s")
     print(f"training: {training:.1f} trajectory tok/s = {t['fraction_of_bound']:.0%} of the bf16 bound "
           f"({train_bound:.0f}); {t['positions_per_s']:.1f} computed positions/s, utilisation {t['utilisation']:.0%}")
     if unshared_result:
