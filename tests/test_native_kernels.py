@@ -92,8 +92,39 @@ def test_decode_attention_matches_the_torch_attention(ops, rows, heads, kv_heads
     mask[: rows // 2, : length // 3] = 0  # left padding on some rows
     want = reference.attend(0, q.view(rows, kv_heads, heads // kv_heads, d), reference.attention_bias(mask), d**-0.5)
     bias = fused.attention_bias(mask).view(rows, -1)
-    got = ops.decode_attention(qkv, fused.keys[0], fused.values[0], bias, length, d**-0.5, heads, kv_heads)
+    got = ops.attention(qkv, None, None, None, None, fused.keys[0], fused.values[0], bias, length, d**-0.5, heads,
+                        kv_heads)
     assert_bf16_close(got, want.reshape(rows, heads * d))
+
+
+@pytest.mark.parametrize("head_dim,prompt_len,own", [(64, 21, 7), (64, 32, 1), (8, 5, 18), (64, 3, 0)])
+def test_attention_over_a_shared_prompt_equals_attention_over_copies(ops, head_dim, prompt_len, own):
+    """Each prompt stored once and read by its group's rows gives what the rows' own copies of it give."""
+    prompts, group, heads, kv_heads, d = 3, 4, 6, 2, head_dim
+    rows = prompts * group
+    shared = decode_kv.PromptSharedKV(1, prompts, kv_heads, prompt_len, d, torch.bfloat16)
+    pk, pv = randn(prompts, kv_heads, prompt_len, d, seed=20), randn(prompts, kv_heads, prompt_len, d, seed=21)
+    shared.store_prompt(0, pk, pv)
+    mask = torch.ones(prompts, prompt_len, dtype=torch.long)
+    mask[1, : prompt_len // 2] = 0  # one left-padded prompt
+    shared.set_prompt_mask(mask)
+    shared.batch_repeat_interleave(group)
+    shared.own.reserve(own + 1)
+    ok, ov = randn(rows, kv_heads, own + 1, d, seed=22), randn(rows, kv_heads, own + 1, d, seed=23)
+    shared.own.store_prompt(0, ok, ov)
+    keep = torch.tensor([0, 2, 3, 5, 9, 11])  # rows leave unevenly
+    shared.batch_select_indices(keep)
+    copies = KVBuffers(1, len(keep), kv_heads, prompt_len + own, d, torch.bfloat16)  # float32 keys, torch attention
+    copies.store_prompt(
+        0, torch.cat([pk[shared.row_prompt], ok[keep]], 2), torch.cat([pv[shared.row_prompt], ov[keep]], 2)
+    )
+    copies.length = prompt_len + own
+    full_mask = torch.cat([mask[shared.row_prompt], torch.ones(len(keep), own + 1, dtype=torch.long)], 1)
+    q = randn(len(keep), heads * d, seed=24)
+    want = copies.attend(0, q.view(-1, kv_heads, heads // kv_heads, d), copies.attention_bias(full_mask), d**-0.5)
+    got = ops.attention(q, shared.prefix_keys[0], shared.prefix_values[0], shared.prefix_bias, shared.row_prompt,
+                        shared.own.keys[0], shared.own.values[0], None, own + 1, d**-0.5, heads, kv_heads)
+    assert_bf16_close(got, want.reshape(len(keep), heads * d))
 
 
 @pytest.mark.parametrize("rows,inner", [(16, 1536), (3, 40), (2, 9)])
@@ -112,36 +143,39 @@ def small_llama(head_dim: int) -> LlamaForCausalLM:
 
 @pytest.mark.parametrize("head_dim", [64, 8])
 def test_native_decoder_tracks_the_torch_decoder(ops, monkeypatch, head_dim):
-    """Teacher-forced decoding with buffers that grow and rows that leave: the native decoder's logits stay
-    within bf16 rounding of the torch path's, as close to the float32 model as the torch path is."""
+    """Teacher-forced decoding of two prompts sampled twice each, with buffers that grow and rows that leave:
+    the native decoder's logits stay within bf16 rounding of the torch path's, as close to the float32 model
+    as the torch path is."""
     monkeypatch.setattr(decode_kv, "KV_CHUNK", 4)  # growth during the run
     model = small_llama(head_dim)
     head = model.get_output_embeddings().weight.detach().clone()
-    ids = torch.randint(3, 500, (4, 6), generator=torch.Generator().manual_seed(1))
+    prompts = torch.randint(3, 500, (2, 6), generator=torch.Generator().manual_seed(1))
     cont = torch.randint(3, 500, (4, 12), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones_like(ids)
+    mask = torch.ones_like(prompts)
     mask[0, :2] = 0  # one left-padded prompt
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    full_mask = torch.cat([mask, torch.ones_like(cont)], 1)
+    full_mask = torch.cat([mask.repeat_interleave(2, 0), torch.ones_like(cont)], 1)
     outputs = {}
     for use_native in (False, True):
         dec = LlamaDecoder(model, head, torch.bfloat16, native_kernels=use_native)
         assert dec.native is use_native
-        _, kv = dec.prefill(ids, mask, positions)
+        _, kv = dec.prefill(prompts, mask, positions)
+        kv.batch_repeat_interleave(2)  # rows 0, 1 sample prompt 0; rows 2, 3 prompt 1
         rows, steps = torch.arange(4), []
+        start = positions[:, -1].repeat_interleave(2) + 1
         for j in range(cont.shape[1]):
-            if j == 7:  # rows 1 and 3 finish: the buffers keep rows 0 and 2
-                rows = torch.tensor([0, 2])
+            if j == 7:  # rows 1 and 2 finish: the cache keeps rows 0 and 3
+                rows = torch.tensor([0, 3])
                 kv.batch_select_indices(rows)
-            logits = dec.decode(cont[rows, j], full_mask[rows], positions[rows, -1] + 1 + j, kv)
+            logits = dec.decode(cont[rows, j], full_mask[rows], start[rows] + j, kv)
             steps.append(logits if len(rows) == 4 else torch.zeros(4, logits.shape[1]).index_copy(0, rows, logits))
-        assert kv.capacity > ids.shape[1] + 4
+        assert (kv.own if use_native else kv).capacity > 4 + (0 if use_native else prompts.shape[1])  # it grew
         outputs[use_native] = torch.stack(steps, 1)
     with torch.no_grad():
-        ref = model(input_ids=torch.cat([ids, cont], 1), attention_mask=full_mask,
-                    position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()[:, ids.shape[1] :]
+        ref = model(input_ids=torch.cat([prompts.repeat_interleave(2, 0), cont], 1), attention_mask=full_mask,
+                    position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()[:, prompts.shape[1] :]
     alive = torch.ones(4, cont.shape[1], dtype=torch.bool)
-    alive[[1, 3], 7:] = False
+    alive[[1, 2], 7:] = False
     torch_path, native_path, ref = outputs[False][alive], outputs[True][alive], ref[alive]
     assert (native_path - torch_path).abs().max() < 0.05
     assert (native_path - ref).abs().max() < 2 * (torch_path - ref).abs().max() + 0.01
@@ -159,7 +193,7 @@ def test_a_failed_build_keeps_the_torch_path(monkeypatch, caplog):
     assert "native decode kernels unavailable" in caplog.text and "c++: command not found" in caplog.text
     model = small_llama(8)
     dec = LlamaDecoder(model, model.get_output_embeddings().weight.detach().clone(), torch.bfloat16)
-    assert not dec.native and dec.key_dtype == torch.float32
+    assert not dec.native
 
 
 @pytest.mark.parametrize("vocab,width", [(49152, 64), (300, 40)])  # blocked search / whole-row search

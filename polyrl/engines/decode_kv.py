@@ -117,3 +117,46 @@ class KVBuffers:
         scores = torch.matmul(q.float() * scale, keys if self.transposed_keys else keys.transpose(-1, -2))
         scores += bias
         return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
+
+
+class PromptSharedKV:
+    """The native kernels' cache: each prompt's keys and values stored once and shared by the rows sampled
+    from it (``row_prompt`` maps a row to its prompt), and each row's generated positions in its own
+    ``KVBuffers`` (bf16, transposed keys). Repeating a prompt for a group copies nothing, and the attention
+    kernel reads a group's prompt once for all its rows instead of once per row.
+
+    ``prefix_keys`` [P, kv_heads, head_dim, T16] and ``prefix_values`` [P, kv_heads, T16, head_dim] per layer
+    (T16: the prompt width rounded up to 16, zeros past it), ``prefix_bias`` [P, T] (0, or -inf on left
+    padding); ``own.length`` counts the generated positions stored."""
+
+    def __init__(self, layers: int, prompts: int, kv_heads: int, width: int, head_dim: int, dtype: torch.dtype):
+        cap = _round_up(max(width, 1), KV_CHUNK)
+        keys = _zeros(prompts, kv_heads, cap, head_dim, layers, dtype)
+        self.prefix_keys = [k.transpose(2, 3).contiguous() for k in keys]
+        self.prefix_values = _zeros(prompts, kv_heads, cap, head_dim, layers, dtype)
+        self.prefix_bias = torch.zeros((prompts, width))
+        self.row_prompt = torch.arange(prompts)
+        self.own = KVBuffers(layers, prompts, kv_heads, 0, head_dim, dtype, dtype, transposed_keys=True)
+
+    @property
+    def capacity(self) -> int:
+        """Positions a row can hold (its prompt's width included) before its own buffers grow."""
+        return self.prefix_bias.shape[1] + self.own.capacity
+
+    def store_prompt(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The prompts' keys and values ``[P, kv_heads, T, head_dim]`` (prefill)."""
+        t = keys.shape[2]
+        self.prefix_keys[layer][..., :t] = keys.transpose(2, 3)
+        self.prefix_values[layer][:, :, :t] = values
+
+    def set_prompt_mask(self, mask: torch.Tensor) -> None:
+        """``mask`` [P, T]: 1 for the prompts' real tokens, 0 for their left padding."""
+        self.prefix_bias = torch.zeros(mask.shape).masked_fill_(~mask.bool(), float("-inf"))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.row_prompt = self.row_prompt.repeat_interleave(repeats)
+        self.own.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.row_prompt = self.row_prompt[indices]
+        self.own.batch_select_indices(indices)

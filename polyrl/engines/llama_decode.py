@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from polyrl.engines import native
-from polyrl.engines.decode_kv import KVBuffers
+from polyrl.engines.decode_kv import KVBuffers, PromptSharedKV
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; any row count still works
@@ -159,10 +159,10 @@ class LlamaDecoder:
         self.layers = [self._fuse(layer) for layer in decoder.layers]
         self.final_norm = decoder.norm.weight.detach().to(dtype).clone()
         self.head_low = self._matmul_weight(head_weight) if self.exact_top else None
-        # The C++ kernels (engines/native) replace the small bf16 operations of a decode step; they keep keys
-        # in bf16 (the same values as float32 keys: rotary rounds them to bf16 first), transposed (decode_kv).
+        # The C++ kernels (engines/native) replace the small bf16 operations of a decode step; their cache
+        # (decode_kv.PromptSharedKV) keeps keys in bf16 (the same values as float32 keys: rotary rounds them to
+        # bf16 first), transposed, and each prompt once for its group.
         self.native = native_kernels and dtype == torch.bfloat16 and native.available()
-        self.key_dtype = torch.bfloat16 if self.native else torch.float32
 
     def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """Our own copy of ``weight`` in ``dtype``, prepacked when packing is on."""
@@ -240,7 +240,7 @@ class LlamaDecoder:
     @torch.no_grad()
     def prefill(
         self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, KVBuffers]:
+    ) -> tuple[torch.Tensor, KVBuffers | PromptSharedKV]:
         """Run left-padded prompts ``[B, T]``; return float32 logits of the last position and the filled cache."""
         b, t = input_ids.shape
         x = self._embed(input_ids)
@@ -250,7 +250,11 @@ class LlamaDecoder:
         # Padding queries attend to themselves only, so no softmax row is empty (an empty one would give NaN).
         allowed = (causal & mask.bool()[:, None, :]) | torch.eye(t, dtype=torch.bool)
         allowed = allowed[:, None]
-        kv = KVBuffers(len(self.layers), b, self.kv_heads, t, self.head_dim, self.dtype, self.key_dtype, self.native)
+        if self.native:  # each prompt stored once, shared by its group's rows
+            kv = PromptSharedKV(len(self.layers), b, self.kv_heads, t, self.head_dim, self.dtype)
+            kv.set_prompt_mask(mask)
+        else:
+            kv = KVBuffers(len(self.layers), b, self.kv_heads, t, self.head_dim, self.dtype)
         nh, d = self.heads, self.head_dim
         x = x.view(b * t, -1)  # matmuls see rows; attention sees [B, heads, T, d]
         for i, layer in enumerate(self.layers):
@@ -263,19 +267,21 @@ class LlamaDecoder:
             att = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
             x = x + self.linear(att.transpose(1, 2).reshape(b * t, nh * d), layer.o)
             x = self._mlp(layer, x)
-        kv.length = t
+        if not self.native:
+            kv.length = t
         return self._head(x.view(b, t, -1)[:, -1]), kv
 
     @torch.no_grad()
     def decode(
-        self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, kv: KVBuffers
+        self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, kv: KVBuffers | PromptSharedKV
     ) -> torch.Tensor:
-        """One token per row (``tokens`` [B], ``positions`` [B]; ``mask`` [B, >= length + 1] marks real keys);
-        appends to ``kv`` and returns float32 logits [B, V]."""
+        """One token per row (``tokens`` [B], ``positions`` [B]; ``mask`` [B, >= length + 1] marks real keys:
+        the prompts' padding, every generated position real); appends to ``kv`` and returns float32 logits
+        [B, V]."""
+        if self.native:
+            return self._decode_native(tokens, positions, kv)
         b, t = tokens.shape[0], kv.length
         kv.reserve(t + 1)
-        if self.native:
-            return self._decode_native(tokens, mask, positions, kv)
         x = self._embed(tokens)
         cos, sin = self._rope(x, positions[:, None])  # [B, 1, d]: broadcast over the heads
         bias = kv.attention_bias(mask)
@@ -292,24 +298,25 @@ class LlamaDecoder:
         kv.length = t + 1
         return self._head(x)
 
-    def _decode_native(
-        self, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, kv: KVBuffers
-    ) -> torch.Tensor:
+    def _decode_native(self, tokens: torch.Tensor, positions: torch.Tensor, kv: PromptSharedKV) -> torch.Tensor:
         """``decode`` with the C++ kernels: per layer four matmuls and four fused kernels (residual add with
-        RMSNorm, rotary with the key/value write, attention, SiLU-and-multiply), the same roundings."""
-        t, ops = kv.length, native.ops()
+        RMSNorm, rotary with the key/value write, attention over the shared prompt and the row's own
+        positions, SiLU-and-multiply), the same roundings. The prompts' padding is in ``kv.prefix_bias``."""
+        own, ops = kv.own, native.ops()
+        t = own.length
+        own.reserve(t + 1)
         x = self._embed(tokens).contiguous()  # the residual stream, updated in place by add_rms_norm
         cos, sin = self._rope(x, positions[:, None])
-        bias = kv.attention_bias(mask).view(x.shape[0], -1)
         nh, kvh, eps, scale = self.heads, self.kv_heads, self.eps, self.head_dim**-0.5
         h = ops.add_rms_norm(x, None, self.layers[0].in_norm, eps)
         for i, layer in enumerate(self.layers):
             qkv = self.linear(h, layer.qkv, layer.qkv_bias)
-            ops.rope_write(qkv, cos, sin, kv.keys[i], kv.values[i], t, nh, kvh)
-            att = ops.decode_attention(qkv, kv.keys[i], kv.values[i], bias, t + 1, scale, nh, kvh)
+            ops.rope_write(qkv, cos, sin, own.keys[i], own.values[i], t, nh, kvh)
+            att = ops.attention(qkv, kv.prefix_keys[i], kv.prefix_values[i], kv.prefix_bias, kv.row_prompt,
+                                own.keys[i], own.values[i], None, t + 1, scale, nh, kvh)
             h = ops.add_rms_norm(x, self.linear(att, layer.o), layer.post_norm, eps)
             up = ops.silu_mul(self.linear(h, layer.gate_up))
             after = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.final_norm
             h = ops.add_rms_norm(x, self.linear(up, layer.down), after, eps)
-        kv.length = t + 1
+        own.length = t + 1
         return self._logits(h)

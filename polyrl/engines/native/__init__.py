@@ -65,7 +65,7 @@ def _load() -> bool:
     except Exception as err:  # no compiler, no ninja, a build error: keep the torch path
         log.warning("polyrl native decode kernels unavailable (%s); using torch operations", str(err)[:200])
         return False
-    return hasattr(torch.ops.polyrl_native, "decode_attention")
+    return hasattr(torch.ops.polyrl_native, "attention")
 
 
 def available() -> bool:
