@@ -39,7 +39,7 @@ def _build_dir() -> Path:
     from polyrl.models.loading import cache_dir
 
     digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags())
-    for source in SOURCES:
+    for source in SOURCES + sorted(Path(__file__).parent.glob("*.h")):
         digest.update(source.read_bytes())
     key = digest.hexdigest()[:16]
     path = cache_dir() / "native" / key

@@ -5,25 +5,15 @@
 // sampler's maximum, subtraction, exponential, block sums and two searches), 15-20 % of a step at 256 rows.
 // These two kernels make two passes each, per row, with the same arithmetic (tests/test_native_kernels.py).
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
-
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <numeric>
 #include <tuple>
-#include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#include <sleef.h>
-#endif
+#include "kernels_common.h"
 
 namespace {
 
-using bf16 = c10::BFloat16;
+using namespace polyrl_native;
 
 // Float32 logits [B, V] from the bf16 head's ``low`` [B, V], with the ``k`` largest of each row recomputed in
 // float32 as ``head_weight`` [V, H] . ``hidden`` [B, H]: exact where the probability mass is (the decode path's
@@ -55,8 +45,7 @@ at::Tensor rescore_head(const at::Tensor& low, const at::Tensor& hidden, const a
 #ifdef __AVX512F__
           __m512 mv = _mm512_set1_ps(m);
           for (; j + 16 <= (i + 1) * block; j += 16) {
-            const __m512 x = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + j))), 16));
+            const __m512 x = load16(src + j);
             _mm512_storeu_ps(dst + j, x);
             mv = _mm512_max_ps(mv, x);
           }
