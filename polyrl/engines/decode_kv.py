@@ -86,11 +86,9 @@ class KVBuffers:
             self.keys[i] = new
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store the new position's keys and values ``[B, kv_heads, head_dim]`` (``reserve`` first)."""
-        if self.transposed_keys:
-            self.keys[layer][..., self.length] = keys
-        else:
-            self.keys[layer][:, :, self.length] = keys
+        """Store the new position's keys and values ``[B, kv_heads, head_dim]`` (``reserve`` first; float32 keys:
+        with transposed keys the native ``rope_write`` writes them)."""
+        self.keys[layer][:, :, self.length] = keys
         self.values[layer][:, :, self.length] = values
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -112,9 +110,9 @@ class KVBuffers:
     def attend(self, layer: int, q: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention of one query position per row: ``q`` [B, kv_heads, g, d] (the g query heads sharing a
         key/value head as its rows), ``bias`` from ``attention_bias``; returns [B, kv_heads, g, d] in the
-        values' dtype."""
-        values, keys = self.values[layer], self.keys[layer].float()
-        scores = torch.matmul(q.float() * scale, keys if self.transposed_keys else keys.transpose(-1, -2))
+        values' dtype. (Float32 keys; the native ``attention`` kernel reads transposed ones.)"""
+        values = self.values[layer]
+        scores = torch.matmul(q.float() * scale, self.keys[layer].transpose(-1, -2))
         scores += bias
         return torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)
 
