@@ -63,8 +63,10 @@ def sample_tokens(
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    u = torch.rand((logits.shape[0], 1), generator=generator, dtype=logits.dtype)
+    if native_kernel and top_p >= 1.0 and logits.dtype == torch.float32:  # it divides by the temperature itself
+        return native.ops().sample_inverse_cdf(logits.contiguous(), u, temperature)
     scaled = logits / temperature if temperature != 1.0 else logits
-    u = torch.rand((scaled.shape[0], 1), generator=generator, dtype=scaled.dtype)
     if top_p < 1.0:
         logprobs = torch.log_softmax(scaled, dim=-1)
         sorted_probs, order = logprobs.exp().sort(dim=-1, descending=True)
@@ -73,8 +75,6 @@ def sample_tokens(
         picked = inverse_cdf(sorted_probs * kept, u, kept.sum(-1, keepdim=True) - 1)
         tokens = order.gather(-1, picked).squeeze(-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    if native_kernel and logits.dtype == torch.float32:
-        return native.ops().sample_inverse_cdf(logits.contiguous(), u, temperature)
     # Unnormalised weights exp(x - max): the softmax without its division, log-probs from the same sums.
     top = scaled.amax(-1, keepdim=True)
     weights = (scaled - top).exp_()
