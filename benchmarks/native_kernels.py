@@ -58,7 +58,7 @@ def kernels(rows: int) -> dict[str, dict[str, float]]:
     cos, sin = (torch.randn((rows, 1, D), generator=gen).to(bf) for _ in range(2))
     kv_torch = KVBuffers(1, rows, KV_HEADS, 99, D, bf)
     kv_torch.length = 99
-    shared = PromptSharedKV(1, max(rows // 8, 1), KV_HEADS, 52, D, bf)
+    shared = PromptSharedKV(1, torch.ones((max(rows // 8, 1), 52), dtype=torch.long), KV_HEADS, D, bf)
     shared.batch_repeat_interleave(rows // max(rows // 8, 1))
     shared.own.reserve(48)
     shared.own.length = 47

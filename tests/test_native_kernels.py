@@ -102,12 +102,11 @@ def test_attention_over_a_shared_prompt_equals_attention_over_copies(ops, head_d
     """Each prompt stored once and read by its group's rows gives what the rows' own copies of it give."""
     prompts, group, heads, kv_heads, d = 3, 4, 6, 2, head_dim
     rows = prompts * group
-    shared = decode_kv.PromptSharedKV(1, prompts, kv_heads, prompt_len, d, torch.bfloat16)
-    pk, pv = randn(prompts, kv_heads, prompt_len, d, seed=20), randn(prompts, kv_heads, prompt_len, d, seed=21)
-    shared.store_prompt(0, pk, pv)
     mask = torch.ones(prompts, prompt_len, dtype=torch.long)
     mask[1, : prompt_len // 2] = 0  # one left-padded prompt
-    shared.set_prompt_mask(mask)
+    shared = decode_kv.PromptSharedKV(1, mask, kv_heads, d, torch.bfloat16)
+    pk, pv = randn(prompts, kv_heads, prompt_len, d, seed=20), randn(prompts, kv_heads, prompt_len, d, seed=21)
+    shared.store_prompt(0, pk, pv)
     shared.batch_repeat_interleave(group)
     shared.own.reserve(own + 1)
     ok, ov = randn(rows, kv_heads, own + 1, d, seed=22), randn(rows, kv_heads, own + 1, d, seed=23)

@@ -127,12 +127,14 @@ class PromptSharedKV:
     (T16: the prompt width rounded up to 16, zeros past it), ``prefix_bias`` [P, T] (0, or -inf on left
     padding); ``own.length`` counts the generated positions stored."""
 
-    def __init__(self, layers: int, prompts: int, kv_heads: int, width: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, layers: int, mask: torch.Tensor, kv_heads: int, head_dim: int, dtype: torch.dtype):
+        """``mask`` [P, T]: 1 for the prompts' real tokens, 0 for their left padding."""
+        prompts, width = mask.shape
         cap = _round_up(max(width, 1), KV_CHUNK)
         keys = _zeros(prompts, kv_heads, cap, head_dim, layers, dtype)
         self.prefix_keys = [k.transpose(2, 3).contiguous() for k in keys]
         self.prefix_values = _zeros(prompts, kv_heads, cap, head_dim, layers, dtype)
-        self.prefix_bias = torch.zeros((prompts, width))
+        self.prefix_bias = torch.zeros(mask.shape).masked_fill_(~mask.bool(), float("-inf"))
         self.row_prompt = torch.arange(prompts)
         self.own = KVBuffers(layers, prompts, kv_heads, 0, head_dim, dtype, dtype, transposed_keys=True)
 
@@ -146,10 +148,6 @@ class PromptSharedKV:
         t = keys.shape[2]
         self.prefix_keys[layer][..., :t] = keys.transpose(2, 3)
         self.prefix_values[layer][:, :, :t] = values
-
-    def set_prompt_mask(self, mask: torch.Tensor) -> None:
-        """``mask`` [P, T]: 1 for the prompts' real tokens, 0 for their left padding."""
-        self.prefix_bias = torch.zeros(mask.shape).masked_fill_(~mask.bool(), float("-inf"))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self.row_prompt = self.row_prompt.repeat_interleave(repeats)

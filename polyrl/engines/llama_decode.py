@@ -251,8 +251,7 @@ class LlamaDecoder:
         allowed = (causal & mask.bool()[:, None, :]) | torch.eye(t, dtype=torch.bool)
         allowed = allowed[:, None]
         if self.native:  # each prompt stored once, shared by its group's rows
-            kv = PromptSharedKV(len(self.layers), b, self.kv_heads, t, self.head_dim, self.dtype)
-            kv.set_prompt_mask(mask)
+            kv = PromptSharedKV(len(self.layers), mask, self.kv_heads, self.head_dim, self.dtype)
         else:
             kv = KVBuffers(len(self.layers), b, self.kv_heads, t, self.head_dim, self.dtype)
         nh, d = self.heads, self.head_dim
