@@ -43,7 +43,7 @@ def kernels(rows: int) -> dict[str, dict[str, float]]:
     from polyrl.engines import native
     from polyrl.engines.decode_kv import KVBuffers, PromptSharedKV
     from polyrl.engines.hf import sample_tokens
-    from polyrl.engines.llama_decode import blocked_topk, rms_norm, rotate_half
+    from polyrl.engines.llama_decode import rescore_top, rms_norm, rotate_half
 
     ops = native.ops()
     bf = torch.bfloat16
@@ -92,10 +92,7 @@ def kernels(rows: int) -> dict[str, dict[str, float]]:
     low = (hidden.float() @ head.T).to(bf)
 
     def torch_rescore():
-        logits = low.float()
-        top = blocked_topk(logits, 32)
-        exact = torch.bmm(head[top], hidden.float()[:, :, None]).squeeze(-1)
-        return logits.scatter_(1, top, exact)
+        return rescore_top(low, hidden, head, 32)
 
     out["rescored head (after its bf16 matmul)"] = {
         "torch_us": best_of(torch_rescore, calls=5),

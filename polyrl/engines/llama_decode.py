@@ -65,6 +65,15 @@ def blocked_topk(x: torch.Tensor, k: int, block: int = 64) -> torch.Tensor:
     return chosen.gather(1, picked // block) * block + picked % block
 
 
+def rescore_top(low: torch.Tensor, hidden: torch.Tensor, head_weight: torch.Tensor, k: int) -> torch.Tensor:
+    """Float32 logits [B, V] from the bf16 head's ``low`` [B, V], the ``k`` largest of each row recomputed in
+    float32 from ``hidden`` [B, H] and the float32 ``head_weight`` [V, H] (the native ``rescore_head``)."""
+    logits = low.float()
+    top = blocked_topk(logits, k)
+    exact = torch.bmm(head_weight[top], hidden.float()[:, :, None]).squeeze(-1)
+    return logits.scatter_(1, top, exact)
+
+
 def _config(model: torch.nn.Module):
     return model.get_decoder().config if hasattr(model, "get_decoder") else model.config
 
@@ -222,12 +231,8 @@ class LlamaDecoder:
         if self.head_low is None:
             return F.linear(hidden.float(), self.head_weight)
         low = self.linear(hidden, self.head_low)
-        if self.native:  # the same, in two passes over each row
-            return native.ops().rescore_head(low, hidden, self.head_weight, self.exact_top)
-        logits = low.float()
-        top = blocked_topk(logits, self.exact_top)
-        exact = torch.bmm(self.head_weight[top], hidden.float()[:, :, None]).squeeze(-1)
-        return logits.scatter_(1, top, exact)
+        rescore = native.ops().rescore_head if self.native else rescore_top  # the same; native in two passes a row
+        return rescore(low, hidden, self.head_weight, self.exact_top)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary(x, positions)  # the model's own rotary module: same frequencies and scaling
