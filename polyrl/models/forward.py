@@ -7,10 +7,10 @@ would blur the log-probs that the PPO ratio and KL are computed from.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from transformers import PreTrainedModel
+
+from polyrl.models.device import bf16_autocast
 
 FLOAT32_SDPA = "sdpa_float32"
 
@@ -25,13 +25,14 @@ def float32_sdpa(module, query, key, value, attention_mask, **kwargs):
     whole cached keys and values would be cast for one query."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    autocast = torch.is_autocast_enabled("cpu")
+    device_type = query.device.type
+    autocast = device_type == "cpu" and torch.is_autocast_enabled(device_type)
     low = autocast or query.dtype != torch.float32
-    if query.device.type != "cpu" or query.shape[2] == 1 or not low:
+    if device_type != "cpu" or query.shape[2] == 1 or not low:  # GPU kernels run bf16 attention well
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast(device_type, enabled=False):
         out, weights = sdpa_attention_forward(
             module, query.float(), key.float(), value.float(), attention_mask, **kwargs
         )
@@ -53,8 +54,9 @@ def use_float32_attention(model: PreTrainedModel) -> bool:
     return True
 
 
-def autocast_context(bf16: bool):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+def autocast_context(bf16: bool, device_type: str = "cpu"):
+    """bf16 autocast (or nothing) on ``device_type``: the device the computation's tensors are on."""
+    return bf16_autocast(device_type, bf16)
 
 
 def decoder_forward(
@@ -66,8 +68,9 @@ def decoder_forward(
     past_key_values=None,
     use_cache: bool = False,
 ):
-    """Return (last hidden states [B, T, H], KV cache or None) from the model's decoder body."""
-    with autocast_context(bf16):
+    """Return (last hidden states [B, T, H], KV cache or None) from the model's decoder body; ``bf16`` is
+    autocast on the device ``input_ids`` are on (the model's)."""
+    with autocast_context(bf16, input_ids.device.type):
         out = model.get_decoder()(
             input_ids=input_ids,
             attention_mask=attention_mask,

@@ -152,12 +152,18 @@ def check_chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> None:
 
 
 def load_model(
-    name: str, lora: LoraConfig | None = None, seed: int = 0, bf16: bool = False, float32_attention: bool = True
+    name: str,
+    lora: LoraConfig | None = None,
+    seed: int = 0,
+    bf16: bool = False,
+    float32_attention: bool = True,
+    device: torch.device | str | None = None,
 ) -> PreTrainedModel:
     """Load the policy in float32 (bf16 is applied as autocast, so optimizer states stay exact). With LoRA,
     ``bf16`` (autocast on) and ``lora.bf16_base``, the frozen base weights of the adapted layers are stored in
     bfloat16 (``frozen_base_to_bf16``). ``float32_attention``: attention over several positions runs in
-    float32 where autocast would run it in bf16 (``models/forward.py``)."""
+    float32 where autocast would run it in bf16 (``models/forward.py``). ``device``: where the model is moved
+    once built (``models/device.resolve_device``); None leaves it on the CPU."""
     _quiet_transformers()
     if name == TINY_ALIAS:
         model = tiny_random_model(seed)
@@ -169,8 +175,8 @@ def load_model(
             from peft import PeftModel
 
             base_name = json.loads(adapter_cfg.read_text())["base_model_name_or_path"]
-            base = load_model(base_name, None, seed, float32_attention=float32_attention)
-            return PeftModel.from_pretrained(base, path, is_trainable=lora is not None)
+            base = load_model(base_name, None, seed, float32_attention=float32_attention, device=device)
+            return _place(PeftModel.from_pretrained(base, path, is_trainable=lora is not None), device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.config.use_cache = True
     if float32_attention:
@@ -193,7 +199,11 @@ def load_model(
         )
         if bf16 and lora.bf16_base:
             frozen_base_to_bf16(model)
-    return model
+    return _place(model, device)
+
+
+def _place(model: PreTrainedModel, device: torch.device | str | None) -> PreTrainedModel:
+    return model if device is None else model.to(device)
 
 
 def frozen_base_to_bf16(model: torch.nn.Module) -> int:
