@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.engines import llama_decode, native
 from polyrl.engines.kv_cache import preallocate
+from polyrl.models.device import module_device, to_device, to_host_lists
 from polyrl.models.forward import decoder_forward
 
 
@@ -63,7 +64,7 @@ def sample_tokens(
         logprobs = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    u = torch.rand((logits.shape[0], 1), generator=generator, dtype=logits.dtype)
+    u = torch.rand((logits.shape[0], 1), generator=generator, dtype=logits.dtype, device=logits.device)
     if native_kernel and top_p >= 1.0 and logits.dtype == torch.float32:  # it divides by the temperature itself
         return native.ops().sample_inverse_cdf(logits.contiguous(), u, temperature)
     scaled = logits / temperature if temperature != 1.0 else logits
@@ -120,13 +121,24 @@ def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A frozen copy of ``model`` with floating-point tensors in bfloat16, the same as
     ``deepcopy(model).to(torch.bfloat16)`` but without first duplicating the float32 weights (which would raise
     the process's peak memory by a full model): deepcopy takes each tensor from a memo filled with its bf16 copy.
-    Tied weights stay tied (one memo entry per tensor)."""
+    Tied weights stay tied (one memo entry per tensor); every tensor stays on the device it is on."""
     memo: dict[int, torch.Tensor] = {}
     for p in model.parameters():
         memo[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=False)
     for b in model.buffers():
         memo[id(b)] = b.to(torch.bfloat16) if b.is_floating_point() else b.clone()
     return copy.deepcopy(model, memo).eval().requires_grad_(False)
+
+
+def full_attention_only(model: torch.nn.Module) -> bool:
+    """True when no layer of ``model`` uses windowed (local) attention."""
+    cfg = model.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return False
+    if getattr(cfg, "attention_chunk_size", None):
+        return False
+    return set(getattr(cfg, "layer_types", None) or ["full_attention"]) == {"full_attention"}
 
 
 class HFEngine:
@@ -137,8 +149,12 @@ class HFEngine:
     is what bounds it on a CPU. Without it, the engine samples from the policy's own weights (under bf16
     autocast when ``bf16``) and ``sync()`` has nothing to do.
 
-    With ``bf16_weights`` and ``fast_decode`` on a Llama-family policy, that copy is the fused one of
+    With ``bf16_weights`` and ``fast_decode`` on a Llama-family policy on the CPU, that copy is the fused one of
     ``llama_decode.LlamaDecoder`` and prefill and decoding run through it instead of the transformers model.
+
+    The engine runs on the policy's device. On a GPU it takes the transformers path (the fused path and the
+    native kernels are CPU code), samples on the GPU from a generator there, and copies one step's results to
+    the host once; its token streams differ from the CPU's for the same seed (another generator).
     """
 
     def __init__(
@@ -158,9 +174,15 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.stop_ids = {tokenizer.eos_token_id}
         self.head_weight: torch.Tensor | None = None
-        self.native_sampling = native_kernels and native.available()
+        self.device = module_device(policy)
+        on_cpu = self.device.type == "cpu"
+        self.native_sampling = on_cpu and native_kernels and native.available()
+        # Decode steps on a GPU get their mask as the [B, 1, 1, K] boolean transformers would build, because
+        # building it there reads the mask back to the host (is it all ones?) once per step. Only where every
+        # layer attends to all positions: windowed layers need transformers' own masks.
+        self.mask_4d = not on_cpu and full_attention_only(policy)
         self.fast: llama_decode.LlamaDecoder | None = None
-        if bf16_weights and fast_decode and llama_decode.supports(policy):
+        if bf16_weights and fast_decode and on_cpu and llama_decode.supports(policy):
             self.head_weight = policy.get_output_embeddings().weight.detach().clone()
             self.fast = llama_decode.LlamaDecoder(
                 policy, self.head_weight, torch.bfloat16, native_kernels=native_kernels
@@ -229,7 +251,9 @@ class HFEngine:
             input_ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        generator = torch.Generator().manual_seed(seed)
+        if self.device.type != "cpu":  # laid out on the host, copied once
+            input_ids, mask, positions = (t.to(self.device, non_blocking=True) for t in (input_ids, mask, positions))
+        generator = torch.Generator(device=self.device).manual_seed(seed)
 
         if self.fast is not None:
             logits, cache = self.fast.prefill(input_ids, mask, positions)  # its buffers size themselves
@@ -244,11 +268,11 @@ class HFEngine:
             mask = mask.repeat_interleave(n, 0)
             positions = positions.repeat_interleave(n, 0)
         # The attention mask grows by a column of ones per step: slices of one buffer instead of a cat per step.
-        mask_buf = torch.ones((mask.shape[0], width + max_new_tokens), dtype=mask.dtype)
+        mask_buf = torch.ones((mask.shape[0], width + max_new_tokens), dtype=mask.dtype, device=mask.device)
         mask_buf[:, :width] = mask
         next_pos = positions[:, -1] + 1
         total = len(prompts) * n
-        rows = torch.arange(total)  # which output row each live batch row belongs to
+        rows = list(range(total))  # which output row each live batch row belongs to
         tokens: list[list[int]] = [[] for _ in range(total)]
         logps: list[list[float]] = [[] for _ in range(total)]
         finished = [False] * total
@@ -257,11 +281,13 @@ class HFEngine:
 
         for step in range(max_new_tokens):
             tok, lp = sample_tokens(logits, temperature, top_p, generator, self.native_sampling)
-            row_list, tok_list, lp_list = rows.tolist(), tok.tolist(), lp.tolist()
-            ent_list = sampling_entropy(logits, temperature).tolist() if (entropy or stop) else None
-            flags = stop(row_list, tok_list, lp_list, ent_list) if stop is not None else None
+            ent = sampling_entropy(logits, temperature) if (entropy or stop) else None
+            # The step's one wait for the device: tokens, log-probs (and entropies) in one copy.
+            tok_list, lp_list, *ent_lists = to_host_lists(tok, lp, *([ent] if ent is not None else []))
+            ent_list = ent_lists[0] if ent_lists else None
+            flags = stop(rows, tok_list, lp_list, ent_list) if stop is not None else None
             alive = []
-            for b, (row, t, logp) in enumerate(zip(row_list, tok_list, lp_list, strict=True)):
+            for b, (row, t, logp) in enumerate(zip(rows, tok_list, lp_list, strict=True)):
                 tokens[row].append(t)
                 logps[row].append(logp)
                 if ents is not None:
@@ -275,14 +301,16 @@ class HFEngine:
             if not alive or step == max_new_tokens - 1:
                 break
             if len(alive) < len(rows):
-                keep = torch.tensor(alive)
+                keep = to_device(alive, self.device)
                 cache.batch_select_indices(keep)
-                rows, tok, mask_buf, next_pos = rows[keep], tok[keep], mask_buf[keep], next_pos[keep]
+                tok, mask_buf, next_pos = tok[keep], mask_buf[keep], next_pos[keep]
+                rows = [rows[b] for b in alive]
             mask = mask_buf[:, : width + step + 1]
             if self.fast is not None:
                 logits = self.fast.decode(tok, mask, next_pos, cache)
             else:
-                logits, cache = self._last_logits(tok[:, None], mask, next_pos[:, None], cache)
+                step_mask = mask[:, None, None, :].bool() if self.mask_4d else mask
+                logits, cache = self._last_logits(tok[:, None], step_mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
         return [
             Completion(tokens[i], logps[i], finished[i], ents[i] if ents is not None else None, stopped[i])

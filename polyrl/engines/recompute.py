@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from polyrl.engines.hf import Completion
+from polyrl.models.device import module_device
 from polyrl.models.forward import forward_logits
 
 
@@ -40,6 +41,9 @@ def policy_logprobs(
         ids[i, : len(seq)] = torch.tensor(seq)
         mask[i, : len(seq)] = 1  # right padding: positions are plain 0..T-1 for every row
     positions = torch.arange(total).expand(rows, total)
+    device = module_device(policy)
+    if device.type != "cpu":  # laid out on the host, copied once
+        ids, mask, positions = (t.to(device, non_blocking=True) for t in (ids, mask, positions))
     was_training = policy.training
     policy.eval()
     try:
@@ -52,7 +56,7 @@ def policy_logprobs(
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
     targets = ids[:, len(prompt) :]
-    picked = logp.gather(-1, targets[..., None]).squeeze(-1)
+    picked = logp.gather(-1, targets[..., None]).squeeze(-1).cpu()  # one copy back, not one per row
     return [picked[i, : len(c)].tolist() for i, c in enumerate(completions)]
 
 

@@ -67,11 +67,13 @@ def to_device(data, device: torch.device | str, dtype: torch.dtype | None = None
     return host if device.type == "cpu" else host.to(device, non_blocking=True)
 
 
-def to_host_lists(*tensors: torch.Tensor) -> list[list]:
+def to_host_lists(*tensors: torch.Tensor, one_copy: bool | None = None) -> list[list]:
     """``[t.tolist() for t in tensors]`` for 1-D tensors of one length, in one device-to-host copy when they are
-    on a GPU (a single wait for the device instead of one per tensor). Integer tensors come back as ints; their
-    values must be exact in float64 (token ids, row indices)."""
-    if all(t.device.type == "cpu" for t in tensors):
+    on a GPU (a single wait for the device instead of one per tensor; ``one_copy`` forces either way). Integer
+    tensors come back as ints; their values must be exact in float64 (token ids, row indices)."""
+    if one_copy is None:
+        one_copy = any(t.device.type != "cpu" for t in tensors)
+    if not one_copy:
         return [t.tolist() for t in tensors]
     host = torch.stack([t.double() for t in tensors]).cpu().tolist()
     return [_as_dtype(values, t.dtype) for t, values in zip(tensors, host, strict=True)]
