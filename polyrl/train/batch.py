@@ -26,11 +26,27 @@ class Batch:
     def response_len(self) -> int:
         return self.targets.shape[1]
 
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def to(self, device: torch.device | str, non_blocking: bool = True) -> Batch:
+        """This batch with every tensor on ``device`` (itself when they are all there already). Copies to a GPU
+        are queued without the host waiting (``non_blocking``); copies back to the host always wait, since
+        a non-blocking one could be read before it lands."""
+        device = torch.device(device)
+        non_blocking = non_blocking and device.type != "cpu"
+        fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        if all(t.device == device for t in fields.values()):
+            return self
+        return Batch(**{f: t.to(device, non_blocking=non_blocking) for f, t in fields.items()})
+
     def rows(self, idx: slice) -> Batch:
-        """The rows ``idx``, with the columns that are padding in every one of them cut away."""
+        """The rows ``idx``, with the columns that are padding in every one of them cut away. On a GPU this
+        reads the rows' column usage back once; slicing a host batch before ``to`` avoids even that."""
         sub = Batch(*(getattr(self, f)[idx] for f in self.__dataclass_fields__))
         s = sub.input_ids.shape[1] - sub.response_len
-        used = sub.attention_mask.bool().any(dim=0)
+        used = sub.attention_mask.bool().any(dim=0).cpu()
         left = int(used[:s].float().argmax()) if s else 0  # first prompt column any row uses
         right = int(used[s:].nonzero().max()) + 1 if used[s:].any() else 1  # response columns in use
         return Batch(

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from polyrl.models.device import to_device
 from polyrl.models.forward import FLOAT32_SDPA, decoder_forward
 from polyrl.train.batch import Batch
 
@@ -61,9 +62,11 @@ def response_hidden(model: PreTrainedModel, batch: Batch, bf16: bool, share_pref
     r = batch.response_len
     s = batch.input_ids.shape[1] - r
     if share_prefix and s > 0:
-        prompt_key = torch.cat([batch.input_ids[:, :s], batch.attention_mask[:, :s]], dim=1)
+        # The plan (distinct prompts, lengths, buckets or packing) is made on the host from the token ids.
+        ids, mask = _on_host(batch.input_ids, batch.attention_mask)
+        prompt_key = torch.cat([ids[:, :s], mask[:, :s]], dim=1)
         unique, inverse = torch.unique(prompt_key, dim=0, return_inverse=True)
-        lengths = batch.attention_mask[:, s:].sum(-1).tolist()
+        lengths = mask[:, s:].sum(-1).tolist()
         buckets = length_buckets(lengths, BUCKET_OVERHEAD)
         prompt_positions = int(unique[:, s:].sum())
         if _packing_applies(model):
@@ -71,11 +74,19 @@ def response_hidden(model: PreTrainedModel, batch: Batch, bf16: bool, share_pref
             padded = sum(len(b) * max(lengths[i] for i in b) for b in buckets)
             if (packed + packed * packed / PACKED_ATTENTION + BUCKET_OVERHEAD
                     < prompt_positions + padded + BUCKET_OVERHEAD * (len(buckets) + 1)):
-                return _packed(model, batch, bf16, unique, inverse, lengths)
+                return _packed(model, batch, bf16, unique, inverse, lengths, ids)
         if len(unique) < len(prompt_key) or len(buckets) > 1:
             return _bucketed(model, batch, bf16, unique, inverse, lengths, buckets)
     hidden, _ = decoder_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids, bf16)
     return hidden[:, s - 1 : -1]
+
+
+def _on_host(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two tensors on the host: themselves on the CPU, else one copy of both (one wait for the device)."""
+    if input_ids.device.type == "cpu":
+        return input_ids, attention_mask
+    both = torch.cat([input_ids, attention_mask.to(input_ids.dtype)]).cpu()
+    return both[: len(input_ids)], both[len(input_ids) :].to(attention_mask.dtype)
 
 
 def _bucketed(
@@ -89,19 +100,23 @@ def _bucketed(
 ) -> torch.Tensor:
     r = batch.response_len
     s = batch.input_ids.shape[1] - r
+    device = batch.input_ids.device  # prompts and inverse come from the host plan
+    prompts, inverse = prompts.to(device, non_blocking=True), inverse.to(device, non_blocking=True)
     p_ids, p_mask = prompts[:, :s], prompts[:, s:]
+    # Full-length caches, also for sliding-window layers (Gemma 3): the cache a model makes for itself keeps only
+    # a window's last positions, and a response continuing it would be masked as if the prompt were that short.
     p_hidden, cache = decoder_forward(
-        model, p_ids, p_mask, (p_mask.cumsum(-1) - 1).clamp(min=0), bf16, use_cache=True
+        model, p_ids, p_mask, (p_mask.cumsum(-1) - 1).clamp(min=0), bf16, DynamicCache(), use_cache=True
     )
     prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
     parts = []
     for rows in buckets:
-        idx = torch.tensor(rows)
+        idx = to_device(rows, device)
         of_rows = inverse[idx]
         hidden = p_hidden[of_rows, -1:]  # the prompt's last position predicts the first response token
         width = max(lengths[i] for i in rows)
         if width > 1:  # the last response token predicts nothing: run the first width - 1
-            kv = DynamicCache([(k[of_rows], v[of_rows]) for k, v in prompt_kv], config=model.config)
+            kv = DynamicCache([(k[of_rows], v[of_rows]) for k, v in prompt_kv])
             cols = slice(s, s + width - 1)
             h, _ = decoder_forward(
                 model, batch.input_ids[idx, cols], batch.attention_mask[idx, : s + width - 1],
@@ -109,7 +124,7 @@ def _bucketed(
             )
             hidden = torch.cat([hidden, h], dim=1)
         parts.append(F.pad(hidden, (0, 0, 0, r - hidden.shape[1])))
-    order = torch.tensor([i for rows in buckets for i in rows])
+    order = to_device([i for rows in buckets for i in rows], device)
     return torch.cat(parts)[torch.argsort(order)]
 
 
@@ -131,11 +146,15 @@ def _packed(
     prompts: torch.Tensor,
     inverse: torch.Tensor,
     lengths: list[int],
+    host_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``response_hidden`` from one packed row: [prompt 0 | its responses | prompt 1 | ...], each response
-    without its last token (it predicts nothing). Positions restart with each prompt as in the padded rows."""
+    without its last token (it predicts nothing). Positions restart with each prompt as in the padded rows.
+    ``prompts``, ``inverse`` and ``host_ids`` (``batch.input_ids`` on the host) lay the row out on the host."""
     r = batch.response_len
     s = batch.input_ids.shape[1] - r
+    device = batch.input_ids.device
+    host_ids = batch.input_ids.cpu() if host_ids is None else host_ids
     ids, positions, prompt_of, response_of = [], [], [], []  # per packed position; response_of -1: a prompt
     prompt_last, response_start = [], [0] * len(lengths)
     for u in range(len(prompts)):
@@ -148,19 +167,19 @@ def _packed(
         for i in (inverse == u).nonzero().flatten().tolist():
             n = max(lengths[i] - 1, 0)
             response_start[i] = len(ids)
-            ids += batch.input_ids[i, s : s + n].tolist()
+            ids += host_ids[i, s : s + n].tolist()
             positions += range(len(prompt), len(prompt) + n)
             prompt_of += [u] * n
             response_of += [i] * n
-    group, row = torch.tensor(prompt_of), torch.tensor(response_of)
+    group, row = to_device(prompt_of, device), to_device(response_of, device)
     # Query a sees key b when b comes no later, under the same prompt, and is a prompt token or a's own response.
-    allowed = torch.ones(len(ids), len(ids), dtype=torch.bool).tril_()
+    allowed = torch.ones(len(ids), len(ids), dtype=torch.bool, device=device).tril_()
     allowed &= (group[:, None] == group[None]) & ((row[None] == -1) | (row[None] == row[:, None]))
     gather = torch.zeros((len(lengths), r), dtype=torch.long)  # where each response position's hidden state is
     for i, n in enumerate(lengths):
         gather[i, 0] = prompt_last[int(inverse[i])]  # the prompt's last position predicts the first token
         gather[i, 1:n] = torch.arange(response_start[i], response_start[i] + n - 1)
     hidden, _ = decoder_forward(
-        model, torch.tensor([ids]), allowed[None, None], torch.tensor([positions]), bf16
+        model, to_device([ids], device), allowed[None, None], to_device([positions], device), bf16
     )
-    return hidden[0][gather]
+    return hidden[0][gather.to(device, non_blocking=True)]
