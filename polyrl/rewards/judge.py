@@ -30,12 +30,17 @@ def verdict_token_ids(tokenizer, word: str) -> list[int]:
 class Judge:
     """A frozen local model that grades (question, response) pairs against a rubric."""
 
-    def __init__(self, model_name: str, seed: int = 0, batch_size: int = 16) -> None:
+    def __init__(
+        self, model_name: str, seed: int = 0, batch_size: int = 16, device: torch.device | str | None = None
+    ) -> None:
+        """``device``: where the judge runs (the policy's, ``train.device``); None keeps it on the CPU."""
+        from polyrl.models.device import module_device
         from polyrl.models.loading import load_model, load_tokenizer
 
         self.name = model_name
         self.tokenizer = load_tokenizer(model_name)
-        self.model = load_model(model_name, None, seed=seed).eval().requires_grad_(False)
+        self.model = load_model(model_name, None, seed=seed, device=device).eval().requires_grad_(False)
+        self.device = module_device(self.model)
         self.batch_size = batch_size
         self.yes = verdict_token_ids(self.tokenizer, "yes")
         self.no = verdict_token_ids(self.tokenizer, "no")
@@ -61,6 +66,8 @@ class Judge:
                 ids[i, width - len(p) :] = torch.tensor(p)
                 mask[i, width - len(p) :] = 1
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            if self.device.type != "cpu":
+                ids, mask, positions = (t.to(self.device, non_blocking=True) for t in (ids, mask, positions))
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1].float()
             logp = torch.log_softmax(logits, dim=-1)
             yes = torch.logsumexp(logp[:, self.yes], dim=-1)

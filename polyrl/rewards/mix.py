@@ -37,17 +37,23 @@ def question_of(task: Task, item: dict[str, Any]) -> str:
 class RewardMixer:
     """Applies each task's reward components; judges are loaded once per model name and shared."""
 
-    def __init__(self, tasks: dict[str, Task], tokenizer: Any, default_judge: str, seed: int = 0) -> None:
+    def __init__(
+        self, tasks: dict[str, Task], tokenizer: Any, default_judge: str, seed: int = 0, device: str = "cpu"
+    ) -> None:
+        """``device``: ``train.device``'s value, resolved when a judge is first loaded (runs without judges
+        never touch the GPU for it)."""
         self.tasks, self.tokenizer, self.default_judge, self.seed = tasks, tokenizer, default_judge, seed
+        self.device = device
         self.judges: dict[str, Judge] = {}
         self.active = any(t.config.reward_components for t in tasks.values())
 
     def judge(self, name: str | None) -> Judge:
+        from polyrl.models.device import resolve_device
         from polyrl.rewards.judge import Judge
 
         name = name or self.default_judge
         if name not in self.judges:
-            self.judges[name] = Judge(name, seed=self.seed)
+            self.judges[name] = Judge(name, seed=self.seed, device=resolve_device(self.device))
         return self.judges[name]
 
     def apply(self, trajectories: Sequence[Trajectory], items: dict[int, dict[str, Any]]) -> None:

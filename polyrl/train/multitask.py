@@ -31,6 +31,7 @@ def cross_policy_split(n_groups: int, share: float) -> int:
 def load_cross_engine(config: Config, tokenizer: Any) -> Any:
     """An engine sampling from ``rollout.cross_policy.model``; its vocabulary must be the policy's."""
     from polyrl.engines.hf import HFEngine
+    from polyrl.models.device import resolve_device
     from polyrl.models.loading import load_model, load_tokenizer
 
     name = config.rollout.cross_policy.model
@@ -38,7 +39,8 @@ def load_cross_engine(config: Config, tokenizer: Any) -> Any:
     if other_tok.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"rollout.cross_policy.model: '{name}' has a different vocabulary from model.name "
                          f"'{config.model.name}'; token ids would not mean the same")
-    model = load_model(name, None, seed=config.train.seed).eval().requires_grad_(False)
+    device = resolve_device(config.train.device)
+    model = load_model(name, None, seed=config.train.seed, device=device).eval().requires_grad_(False)
     return HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=False)
 
 
@@ -51,7 +53,7 @@ class MultiTask:
             return make_task(task_config, seed, system, tokenizer)
 
         self.curriculum = Curriculum(config.curriculum, config.tasks, build) if config.curriculum else None
-        self.mixer = RewardMixer(tasks, tokenizer, config.model.name, seed)
+        self.mixer = RewardMixer(tasks, tokenizer, config.model.name, seed, device=config.train.device)
         cp = config.rollout.cross_policy
         self.cross_engine = load_cross_engine(config, tokenizer) if cp is not None and cp.share > 0 else None
         self.weights: dict[str, float] = {}

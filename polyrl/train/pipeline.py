@@ -22,6 +22,7 @@ from typing import Any
 from polyrl.config import Config, ConfigError, StageConfig, load_config
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import make_task
+from polyrl.models.device import resolve_device
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.rollout.multi_turn import evaluate
 from polyrl.train.checkpoint import latest_checkpoint
@@ -34,7 +35,7 @@ STATE = "stages.json"
 def evaluate_domains(config: Config, model_name: str) -> dict[str, float]:
     """Greedy held-out accuracy of ``model_name`` on every task of ``config`` (the same items every time)."""
     tokenizer = load_tokenizer(model_name)
-    model = load_model(model_name, None, seed=config.train.seed).eval()
+    model = load_model(model_name, None, seed=config.train.seed, device=resolve_device(config.train.device)).eval()
     if config.eval.bf16:
         engine = HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=True)
     else:  # as the RL loop: accuracy of the float32 weights themselves

@@ -5,6 +5,7 @@ from __future__ import annotations
 from transformers import PreTrainedModel
 
 from polyrl.config import Config
+from polyrl.models.device import module_device
 from polyrl.models.loading import load_model
 
 
@@ -17,13 +18,15 @@ def load_teachers(config: Config, student: PreTrainedModel) -> dict[str, PreTrai
     if config.algorithm.distill_coef <= 0:
         return {}
     vocab = student.get_output_embeddings().weight.shape[0]
+    device = module_device(student)  # the learner runs teacher and student on the same batch
     loaded: dict[str, PreTrainedModel] = {}
     teachers: dict[str, PreTrainedModel] = {}
     for i, task in enumerate(config.tasks):
         if task.teacher is None:
             continue
         if task.teacher not in loaded:
-            model = load_model(task.teacher, None, seed=config.train.seed).eval().requires_grad_(False)
+            model = load_model(task.teacher, None, seed=config.train.seed, device=device)
+            model = model.eval().requires_grad_(False)
             size = model.get_output_embeddings().weight.shape[0]
             if size != vocab:
                 raise ValueError(
