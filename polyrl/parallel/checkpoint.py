@@ -19,6 +19,7 @@ All ranks must see one filesystem (DCP's own assumption: rank 0 writes the metad
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -136,12 +137,15 @@ def _write_rank0_files(tmp: Path, model, tokenizer, extra: dict, world: int, wit
     hf = tmp / HF_DIR
     hf.mkdir()
     hf_model.config.save_pretrained(hf)
+    # peft records the base's name only for models from from_pretrained; load_model's aliases live in the config.
+    base = (adapter is not None and adapter.base_model_name_or_path) or hf_model.config._name_or_path or None
     if adapter is not None:
+        adapter = copy.copy(adapter)
+        adapter.base_model_name_or_path = base
         adapter.save_pretrained(hf)
     if tokenizer is not None:
         tokenizer.save_pretrained(hf)
-    base = adapter.base_model_name_or_path if adapter is not None else hf_model.config._name_or_path
-    meta = {"format": FORMAT, "world_size": world, "base_model": base or None, "peft": adapter is not None,
+    meta = {"format": FORMAT, "world_size": world, "base_model": base, "peft": adapter is not None,
             "policy_prefix": prefix, "optimizer": with_optimizer}
     (tmp / META).write_text(json.dumps(meta, indent=2))
     (tmp / TRAINER_STATE).write_text(json.dumps(extra, indent=2))

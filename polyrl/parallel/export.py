@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,9 @@ def export_hf(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        model.save_pretrained(tmp)
+        # peft's default looks the base's config up (on the Hub for a name it cannot find) to see whether the
+        # vocabulary grew; training never resizes it, so skip the lookup.
+        model.save_pretrained(tmp, **({"save_embedding_layers": False} if _is_peft(model) else {}))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if out.exists():
@@ -104,6 +107,12 @@ def _from_sharded(ckpt: Path, base: str | torch.nn.Module | None, merge: bool):
     return model, _tokenizer(ckpt / HF_DIR, base)
 
 
+def _is_peft(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
 def _base_model(base: str | torch.nn.Module | None, why: str) -> torch.nn.Module:
     if isinstance(base, torch.nn.Module):
         return copy.deepcopy(base)
@@ -120,7 +129,15 @@ def _peft_model(hf_dir: Path, base: str | torch.nn.Module | None) -> torch.nn.Mo
     model = _base_model(base, f"{hf_dir.parent} holds a LoRA adapter")
     if isinstance(model, PeftModel):  # a LoRA policy in memory: its adapters get the checkpoint's weights
         return model
-    return get_peft_model(model, PeftConfig.from_pretrained(hf_dir))
+    config = PeftConfig.from_pretrained(hf_dir)
+    recorded = base if isinstance(base, str) else config.base_model_name_or_path
+    with warnings.catch_warnings():  # its warning that it renamed the base: set back just below
+        warnings.simplefilter("ignore", UserWarning)
+        model = get_peft_model(model, config)
+    # get_peft_model renames the base after the model's from_pretrained path (none for an alias): keep the name,
+    # so the exported adapter_config.json says which base to load it on.
+    model.peft_config[model.active_adapter].base_model_name_or_path = recorded
+    return model
 
 
 def _load_into(model: torch.nn.Module, tensors: dict[str, torch.Tensor], ckpt: Path, every_trainable: bool) -> None:
