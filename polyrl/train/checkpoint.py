@@ -44,12 +44,17 @@ def _fsync_dir(path: Path) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_initialized():  # GPU dropout (LoRA) draws from these
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_checkpoint(
@@ -161,7 +166,8 @@ def load_weights(model, path: Path) -> None:
 def load_checkpoint(path: Path, model) -> tuple[dict, dict[str, Any]]:
     """Restore weights and RNG; return (optimizer state, trainer state) for the caller to apply."""
     load_weights(model, path)
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
-    optimizer_state = torch.load(path / "optimizer.pt", weights_only=False)
+    # Onto the host: a GPU run's checkpoint then resumes anywhere (the optimizer moves its state to the params).
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False, map_location="cpu"))
+    optimizer_state = torch.load(path / "optimizer.pt", weights_only=False, map_location="cpu")
     state = json.loads((path / "trainer_state.json").read_text())
     return optimizer_state, state
