@@ -29,6 +29,7 @@ from polyrl.train.checkpoint import latest_checkpoint, remove_partial_saves, ver
 
 WS1 = "ws1/checkpoints/step-1"
 WS2 = "ws2/checkpoints/step-1"
+LORA2 = "lora2/checkpoints/step-1"
 EXTRA = {"step": 1, "sampler": {"cursor": 3}, "best": 0.5}
 
 
@@ -51,10 +52,38 @@ def _sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, _adamw(model)
 
 
+class _PolicyAndCritic(torch.nn.Module):
+    """Like the learner's FSDP root (train/policy_pass.PolicyPass): the policy under a name, and a critic."""
+
+    def __init__(self) -> None:
+        from polyrl.config import LoraConfig
+        from polyrl.models.loading import load_model
+
+        super().__init__()
+        self.policy = load_model("tiny-random", lora=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+                                 float32_attention=False)
+        self.value_head = torch.nn.Linear(32, 1)
+
+    def forward(self, input_ids, labels):
+        out = self.policy(input_ids=input_ids, labels=labels, output_hidden_states=True)
+        return out.loss + self.value_head(out.hidden_states[-1]).pow(2).mean()
+
+
+def _lora_root(sharded: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)  # the same critic and adapter initialisation everywhere
+    root = _PolicyAndCritic()
+    if sharded:
+        for layer in root.policy.get_decoder().layers:
+            fully_shard(layer)
+        fully_shard(root)
+    return root, torch.optim.AdamW([p for p in root.parameters() if p.requires_grad], lr=1e-2, fused=True)
+
+
 def _train_step(model, optimizer, rank: int, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(100 * seed + rank)  # each rank its own batch, as data parallelism has it
     ids = torch.randint(0, 1000, (2, 12), generator=g)
-    model(input_ids=ids, labels=ids).loss.backward()
+    out = model(input_ids=ids, labels=ids)
+    (out if isinstance(out, torch.Tensor) else out.loss).backward()
     optimizer.step()
     optimizer.zero_grad()
 
@@ -118,6 +147,12 @@ def _worker(rank: int, port: int, root: str) -> None:
     _train_step(model, opt, rank, seed=1)
     _train_step(resumed, ropt, rank, seed=1)
     results["next_step"] = _shard_mismatches(model, opt, resumed, ropt)
+    lora, lopt = _lora_root(sharded=True)
+    _train_step(lora, lopt, rank)
+    save_sharded(base / LORA2, lora, lopt, {"step": 1})
+    lora_full = _full_state(lora, lopt)
+    if rank == 0:
+        torch.save(lora_full, base / "lora2_full.pt")
     (base / f"results-{rank}.json").write_text(json.dumps(results))
     dist.barrier()
 
@@ -220,9 +255,30 @@ def test_a_corrupt_shard_fails_verification(runs, tmp_path):
     assert latest_checkpoint(run) is None
 
 
+def test_lora_policy_under_a_wrapper_resumes_at_one_and_exports_merged(runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    root, _ = runs
+    _results(runs)
+    saved = read_model_tensors(root / LORA2)
+    assert saved and all(".lora_" in k or k.startswith("value_head.") for k in saved)  # the base is not saved
+    lora, lopt = _lora_root(sharded=False)
+    assert load_sharded(root / LORA2, lora, lopt) == {"step": 1}
+    full = torch.load(root / "lora2_full.pt")
+    state = lora.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in full["model"].items())
+    moments = {n: lopt.state[p] for n, p in lora.named_parameters() if p.requires_grad}
+    assert all(torch.equal(moments[n][k], v) for n, m in full["optim"].items() for k, v in m.items())
+
+    merged = export_hf(root / "lora2", tmp_path / "merged", merge_lora=True)  # the base named in the checkpoint
+    ids = torch.tensor([[1, 504, 33, 890, 12, 7]])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
+        torch.testing.assert_close(got, lora.policy(input_ids=ids).logits)
+
+
 def test_lora_checkpoint_holds_the_adapter_and_exports(tmp_path):
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from polyrl.config import LoraConfig
     from polyrl.models.loading import load_model
@@ -254,6 +310,3 @@ def test_lora_checkpoint_holds_the_adapter_and_exports(tmp_path):
         assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-random"
         reloaded = PeftModel.from_pretrained(load_model("tiny-random", float32_attention=False), adapter)
         assert torch.equal(reloaded(input_ids=ids).logits, want)
-        merged = export_hf(ckpt, tmp_path / "merged", "tiny-random", merge_lora=True)
-        assert "model.safetensors" in os.listdir(merged)
-        torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits, want)
