@@ -58,6 +58,7 @@ def train(
         typer.echo(msg, err=True)
 
     from polyrl.observe.metrics import SinkError
+    from polyrl.parallel.group import RankFailedError
 
     if cfg.stages:  # a pipeline: every stage is a run under RUN_DIR/stages/
         from polyrl.train.pipeline import run_pipeline
@@ -71,7 +72,7 @@ def train(
         return
     try:
         summary = run_training(cfg, run_dir, resume=resume, log=log)
-    except (ModelNotFoundError, ValueError, NonFiniteError, SinkError) as exc:
+    except (ModelNotFoundError, ValueError, NonFiniteError, SinkError, RankFailedError) as exc:
         _fail(str(exc))
     _print_summary(summary, run_dir)
     if cfg.logging.report and (run_dir / "report.html").exists():

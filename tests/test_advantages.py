@@ -9,7 +9,7 @@ from algo_helpers import fake_trajectories, make_learner
 from polyrl.algorithms import ADVANTAGES
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.algorithms.kl import kl_penalty_to_go
-from polyrl.train.learner import collate
+from polyrl.train.batch import collate
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0])
 ONE_GROUP = torch.tensor([0, 0, 0, 0])

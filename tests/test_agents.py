@@ -23,7 +23,7 @@ from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.rollout.arpo import arpo_rollout
 from polyrl.rollout.early_stop import EarlyStopper, spike_index
 from polyrl.rollout.multi_turn import rollout, start_episode
-from polyrl.train.learner import collate
+from polyrl.train.batch import collate
 from polyrl.types import Trajectory
 
 TOOL_MATH = TaskConfig(

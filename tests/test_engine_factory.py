@@ -10,7 +10,8 @@ from polyrl.engines import EngineUnavailableError, make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.engines.recompute import RecomputeLogprobs, policy_logprobs
 from polyrl.models.loading import load_model, load_tokenizer
-from polyrl.train.learner import collate, token_logprobs
+from polyrl.train.batch import collate
+from polyrl.train.logprobs import token_logprobs
 from polyrl.types import Trajectory
 
 SMOKE = "configs/smoke.yaml"

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from polyrl.models.loading import tiny_random_model
-from polyrl.train.learner import collate, token_logprobs
+from polyrl.train.batch import collate
+from polyrl.train.logprobs import token_logprobs
 from polyrl.types import Trajectory
 
 
@@ -91,7 +92,8 @@ def test_chunked_head_matches_whole_logits(bf16):
     # The output head in checkpointed chunks of 3 positions (responses are 4 long) against the [B, R, V] logits:
     # log-probs, entropy and every parameter's gradient (body and head) agree to float32 rounding.
     from polyrl.models.forward import head_logits
-    from polyrl.train.learner import chunked_logprobs, logprobs_from_logits, response_hidden
+    from polyrl.train.forward_pass import response_hidden
+    from polyrl.train.logprobs import chunked_logprobs, logprobs_from_logits
 
     model = tiny_random_model(seed=5)
     batch = _batch()
@@ -114,7 +116,8 @@ def test_chunked_head_matches_whole_logits(bf16):
 def test_bf16_backward_head_matches_the_float32_head():
     # Forward exact: log-probs and entropy equal the float32 head's. Backward in bf16 matmuls: every gradient
     # (body and the tied head) within bf16 rounding of the float32 backward, and the same direction.
-    from polyrl.train.learner import chunked_logprobs, response_hidden
+    from polyrl.train.forward_pass import response_hidden
+    from polyrl.train.logprobs import chunked_logprobs
 
     model = tiny_random_model(seed=5)
     batch = _batch()

@@ -8,8 +8,9 @@ import torch
 
 from polyrl.models.loading import tiny_random_model
 from polyrl.train import forward_pass
+from polyrl.train.batch import collate
 from polyrl.train.forward_pass import length_buckets
-from polyrl.train.learner import collate, token_logprobs
+from polyrl.train.logprobs import token_logprobs
 from polyrl.types import Trajectory
 
 

@@ -4,7 +4,9 @@ import torch
 
 from polyrl.config import AlgorithmConfig, LoraConfig, OptimConfig
 from polyrl.models.loading import holds_bf16_weights, load_model
-from polyrl.train.learner import Learner, collate, token_logprobs
+from polyrl.train.batch import collate
+from polyrl.train.learner import Learner
+from polyrl.train.logprobs import token_logprobs
 from polyrl.types import Trajectory
 
 

@@ -10,7 +10,7 @@ from conftest import SMOKE
 from polyrl.algorithms import LOSSES, aggregate
 from polyrl.algorithms.losses import ppo_clip_loss
 from polyrl.config import ConfigError, load_config
-from polyrl.train.learner import collate
+from polyrl.train.batch import collate
 
 LOG15 = math.log(1.5)
 BUILT_IN = ["ppo_clip", "dual_clip", "gspo", "cispo"]

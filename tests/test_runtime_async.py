@@ -61,7 +61,8 @@ def test_a_partial_rollout_spans_versions_with_each_tokens_own_logprob(tmp_path)
     from polyrl.engines.hf import HFEngine
     from polyrl.rollout.multi_turn import rollout
     from polyrl.runtime.partial import PartialEngine
-    from polyrl.train.learner import collate, token_logprobs
+    from polyrl.train.batch import collate
+    from polyrl.train.logprobs import token_logprobs
 
     cfg = load_config(SMOKE, [*BASE, "model.bf16=false", "rollout.max_new_tokens=6"])
     run = build_run(cfg, tmp_path)

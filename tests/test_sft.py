@@ -8,7 +8,7 @@ from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import make_task
 from polyrl.models.loading import load_tokenizer, tiny_random_model
 from polyrl.rollout.multi_turn import start_episode
-from polyrl.train.learner import collate
+from polyrl.train.batch import collate
 from polyrl.train.sft import sft_example, sft_loss
 
 

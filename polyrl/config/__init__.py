@@ -29,6 +29,7 @@ from polyrl.config.sections import (
     CrossPolicyConfig,
     EngineConfig,
     EvalConfig,
+    LearnerConfig,
     LoggingConfig,
     LoraConfig,
     ModelConfig,
@@ -51,6 +52,7 @@ __all__ = [
     "EarlyStopConfig",
     "EngineConfig",
     "EvalConfig",
+    "LearnerConfig",
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
@@ -82,6 +84,8 @@ class Config(_Strict):
     agents: AgentsConfig = AgentsConfig()
     optim: OptimConfig = OptimConfig()
     train: TrainConfig = TrainConfig()
+    learner: LearnerConfig = LearnerConfig()
+    """Learner ranks and sharding (world_size 1: one process)."""
     eval: EvalConfig = EvalConfig()
     logging: LoggingConfig = LoggingConfig()
     curriculum: CurriculumConfig | None = None
@@ -141,6 +145,9 @@ class Config(_Strict):
                 f"agents.arpo.global_samples: needs 1 <= global_samples <= rollout.group_size "
                 f"({rollout.group_size}) and a group of at least 2"
             )
+        if self.learner.world_size > 1 and self.runtime.kind == "async":
+            raise ValueError("learner.world_size: the async runtime has one learner process; use runtime.kind "
+                             "local (ranks on this machine) or ray (ranks on a cluster)")
         if algo.dynamic_sampling and rollout.group_size < 2:
             raise ValueError(
                 "algorithm.dynamic_sampling: needs rollout.group_size >= 2 (a group of one never varies)"

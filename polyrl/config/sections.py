@@ -260,6 +260,27 @@ class TrainConfig(_Strict):
     keep_checkpoints: int = Field(2, gt=0)
     max_skipped_updates: int = Field(3, gt=0)
     """Stop the run after this many consecutive updates skipped for NaN/inf loss or gradients."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the policy, reference, critic, teachers, judge and the hf engine live: cuda when available under
+    auto. On cuda, bf16 is native autocast on the GPU (float32 master weights); the CPU keeps its fused path."""
+
+
+class LearnerConfig(_Strict):
+    """The data-parallel learner (docs/scaling.md): ``world_size`` ranks under torch.distributed, the policy
+    sharded over them with FSDP2, each step's trajectories split over ranks balanced by tokens."""
+
+    world_size: int = Field(1, gt=0)
+    """Learner ranks. 1 is one process. More: ``polyrl train`` starts them on this machine (gloo on CPU, NCCL
+    on GPU, one GPU each), or as Ray actors under ``runtime.kind: ray``. Parameters, gradients and optimizer
+    state are sharded in float32; ``model.bf16`` computes under bf16 autocast as in one process."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto is nccl on cuda, gloo on cpu."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward pass (less memory, about a third more compute)."""
+    offload_optimizer: bool = False
+    """FSDP2 CPU offload: parameters, gradients and optimizer state of the shards live in host memory."""
+    timeout_s: float = Field(1800.0, gt=0)
+    """A collective that waits longer than this fails the run with an error instead of hanging (a rank died)."""
 
 
 class LoggingConfig(_Strict):

@@ -19,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from polyrl.engines.hf import Completion, HFEngine
 from polyrl.envs.base import Env, Message, StepResult, Task
+from polyrl.parallel.group import contiguous_shards
 from polyrl.rollout.early_stop import EarlyStopper
 from polyrl.rollout.render import ChatRenderer
 from polyrl.types import Trajectory
@@ -326,21 +327,25 @@ def play(
 
 
 def evaluate(
-    engine: HFEngine, task: Task, n: int | None, max_new_tokens: int, batch_size: int = 64
+    engine: HFEngine, task: Task, n: int | None, max_new_tokens: int, batch_size: int = 64,
+    part: tuple[int, int] = (0, 1),
 ) -> dict[str, float]:
     """Greedy episodes on the task's held-out items (the same items for every call with the same seed).
 
     ``accuracy`` counts fully solved episodes (score 1); ``mean_score`` keeps the scorer's partial credit.
+    ``part`` (k, parts): only the k-th of ``parts`` contiguous shares of the items (one per learner rank).
     """
     items = task.eval_items(n)
+    lo, hi = contiguous_shards(len(items), part[1])[part[0]]
     trajectories: list[Trajectory] = []
-    for start in range(0, len(items), batch_size):
-        chunk = [(task, start + i, item) for i, item in enumerate(items[start : start + batch_size])]
+    for start in range(lo, hi, batch_size):
+        chunk = [(task, start + i, item) for i, item in enumerate(items[start : min(start + batch_size, hi)])]
         trajectories += rollout(engine, chunk, 1, max_new_tokens, 0.0, 1.0, seed=0, version=-1)
     scores = [t.info["score"] for t in trajectories]
     count = max(len(scores), 1)
     return {
         "accuracy": sum(s >= 1.0 for s in scores) / count,
+        "solved": sum(s >= 1.0 for s in scores),
         "mean_score": sum(scores) / count,
         "n": len(scores),
         "response_length": sum(t.num_model_tokens for t in trajectories) / count,

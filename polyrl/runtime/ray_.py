@@ -24,12 +24,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from polyrl.parallel.group import SHARD_SEED_STRIDE, contiguous_shards
 from polyrl.runtime.async_ import _snapshot
 from polyrl.runtime.common import check_staleness, staleness_metrics
 from polyrl.train import faults
 from polyrl.types import Trajectory
-
-SHARD_SEED_STRIDE = 104_729  # shard k of a round samples from seed + k * stride (shard 0 keeps the seed)
 
 
 
@@ -66,17 +65,6 @@ class RolloutWorker:
         tasks = self.run.tasks
         reqs = [(tasks[name], index, tasks[name].train_item(index)) for name, index in requests]
         return self.rollout_fn(reqs, seed, version, first_id)
-
-
-def _split(n: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous [lo, hi) ranges of ``n`` items over ``parts`` shards (earlier shards one larger)."""
-    base, extra = divmod(n, parts)
-    bounds, lo = [], 0
-    for k in range(parts):
-        hi = lo + base + (k < extra)
-        bounds.append((lo, hi))
-        lo = hi
-    return [b for b in bounds if b[1] > b[0]]
 
 
 class RayStepper:
@@ -139,7 +127,7 @@ class RayStepper:
         ray = self.ray
         plain = [(task.name, index) for task, index, _ in requests]
         shards = {k: (plain[lo:hi], seed + k * SHARD_SEED_STRIDE, first_id + lo)
-                  for k, (lo, hi) in enumerate(_split(len(plain), len(self.workers)))}
+                  for k, (lo, hi) in enumerate(contiguous_shards(len(plain), len(self.workers))) if hi > lo}
         pending = {k: self._submit(k, step, *shards[k][:2], version, shards[k][2], weights) for k in shards}
         results: dict[int, list[Trajectory]] = {}
         while pending:

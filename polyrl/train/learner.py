@@ -9,6 +9,7 @@ import warnings
 from functools import partial
 
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from polyrl.algorithms import LOSSES, aggregate, kl_estimate, kl_penalty_to_go
@@ -16,11 +17,12 @@ from polyrl.algorithms.corrections import correct_off_policy, truncated_importan
 from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED
-from polyrl.config import AlgorithmConfig, OptimConfig
-from polyrl.models.forward import head_logits
+from polyrl.config import AlgorithmConfig, LearnerConfig, OptimConfig
+from polyrl.parallel.fsdp import shard_module
+from polyrl.parallel.group import all_gather_objects, balanced_shards, current
 from polyrl.train.batch import Batch, collate
-from polyrl.train.forward_pass import response_hidden
-from polyrl.train.logprobs import HEAD_CHUNK, chunked_logprobs, logprobs_from_logits, response_logits, token_logprobs
+from polyrl.train.logprobs import response_logits
+from polyrl.train.policy_pass import PolicyPass
 from polyrl.types import Trajectory
 
 
@@ -36,8 +38,6 @@ def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
 
 class Learner:
     replay_is_cap: float = 1.0
-    share_prefix: bool = True
-    """Run a group's shared prompt once (``response_hidden``); off only to measure what that saves."""
     """Truncation of replayed samples' importance weights (``agents.replay.is_cap``)."""
 
     def __init__(
@@ -51,9 +51,12 @@ class Learner:
         total_steps: int = 0,
         teachers: dict[str, PreTrainedModel] | None = None,
         is_cap: float = 2.0,
+        sharding: LearnerConfig | None = None,
     ) -> None:
         """``total_steps`` is the run's length, over which a decaying learning-rate schedule reaches 0;
-        ``teachers`` maps a task name to its frozen distillation teacher (``algo.distill_coef`` weighs it)."""
+        ``teachers`` maps a task name to its frozen distillation teacher (``algo.distill_coef`` weighs it).
+        In a process group of several ranks (``parallel/group.py``) the policy and the KL reference are
+        sharded with FSDP2 as ``sharding`` says, and each update trains this rank's share of the batch."""
         self.model = model
         self.teachers = teachers or {}
         self.is_cap = is_cap  # truncated IS cap for rows sampled by another policy (info["cross_policy"])
@@ -62,14 +65,30 @@ class Learner:
         self.temperature = temperature
         self.bf16 = bf16
         self.pad_id = pad_id
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.ranks = current()
+        self.device = next(model.parameters()).device
+        self.is_lora = hasattr(model, "disable_adapter")
+        self.wants_reference = algo.kl_coef > 0 or algo.track_kl
+        # The KL reference: with LoRA, the same weights with adapters off; otherwise a frozen copy.
+        self.ref_model = None
+        if self.wants_reference and not self.is_lora:
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         # PPO's critic: a value head on the policy's (detached) final hidden states, in its own param group.
         self.value_head: ValueHead | None = None
-        groups: list[dict] = [{"params": self.params}]
         if algo.advantage == "gae":
-            self.value_head = ValueHead(model.get_output_embeddings().in_features, algo.value_width)
-            head_params = list(self.value_head.parameters())
-            groups.append({"params": head_params, "lr": algo.value_lr, "weight_decay": 0.0})
+            self.value_head = ValueHead(model.get_output_embeddings().in_features, algo.value_width).to(self.device)
+        self.policy_pass = PolicyPass(model, temperature, bf16, self.value_head)
+        self.ref_pass = PolicyPass(self.ref_model, temperature, bf16) if self.ref_model is not None else None
+        if self.ranks.distributed:
+            sharding = sharding or LearnerConfig()
+            for module in (self.policy_pass, self.ref_pass):
+                if module is not None:
+                    shard_module(module, module.policy, self.device, sharding.offload_optimizer,
+                                 sharding.activation_checkpointing and module is self.policy_pass)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        groups: list[dict] = [{"params": self.params}]
+        if self.value_head is not None:
+            groups.append({"params": list(self.value_head.parameters()), "lr": algo.value_lr, "weight_decay": 0.0})
         # fused: one kernel per parameter instead of a dozen elementwise passes (several times faster on a CPU).
         self.optimizer = torch.optim.AdamW(
             groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=True
@@ -77,12 +96,17 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, partial(lr_factor, warmup=optim.warmup_steps, total=total_steps, kind=optim.schedule)
         )
-        self.is_lora = hasattr(model, "disable_adapter")
-        self.wants_reference = algo.kl_coef > 0 or algo.track_kl
-        # The KL reference: with LoRA, the same weights with adapters off; otherwise a frozen copy.
-        self.ref_model = None
-        if self.wants_reference and not self.is_lora:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+
+    @property
+    def share_prefix(self) -> bool:
+        """Run a group's shared prompt once (``response_hidden``); off only to measure what that saves."""
+        return self.policy_pass.share_prefix
+
+    @share_prefix.setter
+    def share_prefix(self, value: bool) -> None:
+        for module in (self.policy_pass, self.ref_pass):
+            if module is not None:
+                module.share_prefix = value
 
     def state_dict(self) -> dict:
         """What a checkpoint needs besides the policy weights: optimizer, scheduler and the critic, if any."""
@@ -102,14 +126,11 @@ class Learner:
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: Batch) -> torch.Tensor:
-        if self.is_lora:
-            with self.model.disable_adapter():
-                return self._logprobs(batch)[0]
-        return token_logprobs(self.ref_model, batch, self.temperature, self.bf16, share_prefix=self.share_prefix)[0]
+        return (self.ref_pass or self.policy_pass)(batch, reference=True)[0]
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
         """One optimisation round (``algo.epochs`` passes over the batch, one optimizer step each)."""
-        algo, micro = self.algo, self.optim_cfg.micro_batch_size
+        algo = self.algo
         self.model.train()
         # Micro-batches hold whole groups of similar prompt length, then similar response lengths: each pads
         # only to its own longest prompt and response, and computes each shared prompt once (not once per
@@ -119,16 +140,24 @@ class Learner:
             trajectories, key=lambda t: (p := t.prompt_len, t.group_id, len(t.input_ids) - p)
         )
         batch = collate(trajectories, self.pad_id)
+        if self.device.type != "cpu":
+            batch = batch.to(self.device)
         if algo.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward misjudges its tokens
-            keep = torch.tensor([not t.truncated for t in trajectories], dtype=batch.loss_mask.dtype)
+            keep = torch.tensor([not t.truncated for t in trajectories], dtype=batch.loss_mask.dtype,
+                                device=self.device)
             batch.loss_mask = batch.loss_mask * keep[:, None]
         if self._gradient_is_zero(batch):
             return self._step_on_zero_gradient()
-        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        cross = torch.tensor([bool(t.info.get("cross_policy")) for t in trajectories])
-        chunks = [slice(i, i + micro) for i in range(0, len(trajectories), micro)]
+        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=self.device)
+        cross = torch.tensor([bool(t.info.get("cross_policy")) for t in trajectories], device=self.device)
+        # Normalisers of the whole batch: each rank's share of the loss carries them, so the ranks' gradients
+        # add up to the gradient of the one-process loss over the whole batch.
         num_tokens = float(batch.loss_mask.sum().clamp(min=1))
+        chunks, real, real_total = self._my_micro_batches(trajectories)
         micro_batches = [batch.rows(c) for c in chunks]  # trimmed once, reused by every pass below
+        for mb, is_real in zip(micro_batches, real, strict=True):
+            if not is_real:  # a placeholder pass that keeps the ranks' collectives in step; it adds nothing
+                mb.loss_mask = torch.zeros_like(mb.loss_mask)
         ref = [self._reference_logprobs(mb) for mb in micro_batches] if self.wants_reference else None
         old = None
         if algo.epochs > 1:  # several passes need the pre-update log-probs (and values) fixed up front
@@ -144,6 +173,7 @@ class Learner:
             for k, (c, mb) in enumerate(zip(chunks, micro_batches, strict=True)):
                 # token-mean shares the global token count; the seq-mean modes weight by sequences.
                 share = 1.0 if algo.loss_agg == "token-mean" else mb.targets.shape[0] / len(trajectories)
+                share *= real[k]
                 logp, entropy, values, logits = self._forward(mb, entropy_grad=algo.entropy_coef != 0)
                 old_logp, old_values = old[k] if old is not None else (logp.detach(), _detach(values))
                 ref_logp = ref[k] if ref is not None else None
@@ -174,7 +204,7 @@ class Learner:
                 loss = algo.pg_coef * pg_loss * share - algo.entropy_coef * ent
                 parts = {"loss/pg": float(pg_loss.detach()) * share, "entropy": float(ent.detach())}
                 if self.teachers and algo.distill_coef > 0:
-                    d_loss, dm = self._distill(mb, logits, row_tasks[c], num_tokens)
+                    d_loss, dm = self._distill(mb, logits, [row_tasks[i] for i in c.tolist()], num_tokens)
                     loss = loss + algo.distill_coef * d_loss * share
                     parts["loss/distill"] = float(d_loss.detach()) * share
                     m = {**m, **dm}
@@ -192,13 +222,15 @@ class Learner:
                     parts["loss/value"] = float(v_loss.detach()) * share
                     m = {**m, **vm}
                 loss.backward()
+                if not real[k]:
+                    continue
                 parts["loss"] = float(loss.detach())
                 for key, v in parts.items():
                     totals[key] = totals.get(key, 0.0) + v / algo.epochs
-                _accumulate(means, m, algo.epochs * len(chunks))
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.optim_cfg.grad_clip))
+                _accumulate(means, m, algo.epochs * real_total)
+            grad_norm = _clip_grad_norm(self.params, self.optim_cfg.grad_clip)
             if self.value_head is not None:  # clipped apart: a fresh critic's big gradients spare the policy
-                torch.nn.utils.clip_grad_norm_(self.value_head.parameters(), self.optim_cfg.grad_clip)
+                _clip_grad_norm(list(self.value_head.parameters()), self.optim_cfg.grad_clip)
             if math.isfinite(grad_norm):
                 self.optimizer.step()
             else:  # a NaN/inf gradient must not reach the weights
@@ -206,6 +238,8 @@ class Learner:
                 totals["skipped_updates"] = totals.get("skipped_updates", 0.0) + 1
             means["grad_norm"] = means.get("grad_norm", 0.0) + grad_norm / algo.epochs
         self._scheduler_step()
+        if self.ranks.distributed:
+            totals, means = _across_ranks(totals, means)
         totals.setdefault("kl", None)  # not measured: no reference was kept (kl_coef 0, track_kl off)
         totals.setdefault("skipped_updates", 0.0)
         return {**totals, **means, "zero_gradient": 0.0, "lr": self.scheduler.get_last_lr()[0]}
@@ -215,6 +249,31 @@ class Learner:
             # A skipped (NaN) first update leaves the optimizer unstepped; the schedule still advances by design.
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
             self.scheduler.step()
+
+    def _my_micro_batches(self, trajectories: list[Trajectory]) -> tuple[list[torch.Tensor], list[bool], int]:
+        """This rank's micro-batches (row indices of the sorted batch), whether each is real, and the number of
+        real micro-batches over all ranks. Whole groups go to a rank, balanced by tokens (their shared prompt
+        runs once there); with fewer groups than ranks, single rows. Every rank runs as many passes as the
+        busiest one (each pass gathers the sharded weights, a collective), padding with placeholders."""
+        micro, ranks = self.optim_cfg.micro_batch_size, self.ranks
+        units: list[list[int]] = []
+        for i, t in enumerate(trajectories):
+            if units and trajectories[units[-1][-1]].group_id == t.group_id:
+                units[-1].append(i)
+            else:
+                units.append([i])
+        if len(units) < ranks.world_size:
+            units = [[i] for i in range(len(trajectories))]
+        costs = [sum(len(trajectories[i].input_ids) for i in u) for u in units]
+        shards = [sorted(i for k in shard for i in units[k]) for shard in balanced_shards(costs, ranks.world_size)]
+        counts = [math.ceil(len(shard) / micro) for shard in shards]
+        mine = shards[ranks.rank]
+        chunks = [torch.tensor(mine[i : i + micro]) for i in range(0, len(mine), micro)]
+        real = [True] * len(chunks)
+        while len(chunks) < max(counts):  # a rank with less work (fewer rows than ranks) still joins each pass
+            chunks.append(torch.tensor(mine[:1] or [0]))
+            real.append(False)
+        return chunks, real, sum(counts)
 
     def _gradient_is_zero(self, batch: Batch) -> bool:
         """True when the loss is 0 whatever the weights: every advantage is 0 (e.g. dynamic sampling found no
@@ -283,22 +342,8 @@ class Learner:
         self, batch: Batch, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Policy log-probs, entropy, the value of each response position when there is a critic, and the
-        logits when distillation needs them (it compares whole distributions); otherwise the output head runs
-        in chunks of positions (``chunked_logprobs``) and the logits are None."""
-        hidden = response_hidden(self.model, batch, self.bf16, self.share_prefix)
-        values = None
-        if self.value_head is not None:  # the critic reads the head's (detached) float32 input
-            values = self.value_head(hidden.detach().float())
-        if self.teachers and self.algo.distill_coef > 0:
-            logits = head_logits(self.model, hidden) / self.temperature
-            return (*logprobs_from_logits(logits, batch, entropy_grad), values, logits)
-        # The head runs on response tokens only, packed into one row: padding costs it nothing.
-        used = batch.attention_mask[:, -batch.response_len :].bool()
-        logp, entropy = chunked_logprobs(
-            self.model, hidden[used][None], batch.targets[used][None], self.temperature, entropy_grad,
-            chunk=HEAD_CHUNK * len(used), bf16_backward=self.bf16,
-        )
-        return _unpack(logp[0], used), _unpack(entropy[0], used), values, None
+        logits when distillation needs them (``PolicyPass``)."""
+        return self.policy_pass(batch, entropy_grad, logits=bool(self.teachers) and self.algo.distill_coef > 0)
 
     def _distill(
         self, mb: Batch, logits: torch.Tensor, tasks: list[str], num_tokens: float
@@ -319,13 +364,37 @@ class Learner:
         return reverse_kl_loss(logits, teacher_logits, mb.loss_mask * has_teacher[:, None], self.algo.loss_agg,
                                num_tokens)
 
-    def _logprobs(self, batch: Batch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs(self.model, batch, self.temperature, self.bf16, entropy_grad, self.share_prefix)
+
+def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """``clip_grad_norm_``'s total norm as a number; over sharded (DTensor) gradients it is the whole norm."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
-def _unpack(packed: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
-    """Values of the ``used`` positions back in their [B, R] places, zeros elsewhere."""
-    return packed.new_zeros(used.shape).masked_scatter(used, packed)
+_SAME_ON_EVERY_RANK = ("grad_norm", "skipped_updates")
+
+
+def _across_ranks(totals: dict, means: dict) -> tuple[dict, dict]:
+    """One update's metrics over all ranks: each rank's sums (and shares of averages) add up, ``*/max`` and
+    ``*/min`` take the extreme; the gradient norm is already the whole batch's."""
+    gathered = all_gather_objects((totals, means))
+    out: list[dict] = []
+    for part in (0, 1):
+        merged: dict = {}
+        for key in {k for g in gathered for k in g[part]}:
+            values = [g[part][key] for g in gathered if g[part].get(key) is not None]
+            if not values:
+                merged[key] = None
+            elif key in _SAME_ON_EVERY_RANK:
+                merged[key] = gathered[0][part].get(key, values[0])
+            elif key.endswith("/max"):
+                merged[key] = max(values)
+            elif key.endswith("/min"):
+                merged[key] = min(values)
+            else:
+                merged[key] = sum(values)
+        out.append(merged)
+    return out[0], out[1]
 
 
 def _detach(x: torch.Tensor | None) -> torch.Tensor | None:

@@ -5,38 +5,55 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from polyrl.config import Config, dump_config
+from polyrl.models.device import resolve_device
+from polyrl.models.loading import TINY_ALIAS, load_tokenizer, resolve_model_path
 from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
 from polyrl.observe.progress import TrainProgress
 from polyrl.observe.report import write_report_safely
+from polyrl.parallel.group import RankFailedError, all_reduce_max, current, join_group, leave_group
+from polyrl.parallel.launch import launch_ranks
 from polyrl.runtime import make_stepper
 from polyrl.train import faults
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.train.step import NonFiniteError, build_run, evaluate_all
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict, writer: bool = True) -> None:
+    if not writer:
+        return
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     os.replace(tmp, path)
 
 
 def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dict[str, Any]:
-    """Run (or resume) training into ``run_dir``; returns the summary written to summary.json."""
+    """Run (or resume) training into ``run_dir``; returns the summary written to summary.json. With
+    ``learner.world_size`` > 1 this starts the ranks (or, started by torchrun, joins them); every rank runs
+    this loop, rank 0 writes the run's files."""
+    if config.learner.world_size > 1 and not current().distributed:
+        if "RANK" not in os.environ:
+            return _train_on_ranks(config, run_dir, resume)
+        _join(config)
+    ranks = current()
     wall0 = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
+    if ranks.is_main:
+        (run_dir / "config.yaml").write_text(dump_config(config))
+    else:
+        log = _quiet
     run = build_run(config, run_dir)
     summary_path = run_dir / "summary.json"
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
 
     start, train_time = 0, 0.0
     ckpt = latest_checkpoint(run_dir) if resume else None
-    if resume:
+    if resume and ranks.is_main:
         remove_partial_saves(run_dir)  # temp dirs of saves killed before their rename
     if resume and ckpt is None:
         log(f"{run_dir}: no usable checkpoint to resume from; starting from step 0")
@@ -53,7 +70,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     if config.eval.before and "eval_before" not in summary:
         summary["eval_before"] = evaluate_all(run)
         log(f"eval before: {json.dumps(summary['eval_before'])}")
-        _write_json(summary_path, summary)
+        _write_json(summary_path, summary, ranks.is_main)
 
     def checkpoint(step: int) -> None:
         save_checkpoint(
@@ -65,16 +82,18 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         )
 
     resume_step = start if ckpt is not None else None
-    logger = open_metrics_logger(config, run_dir, resume_step)
-    samples = TrajectoryWriter(run_dir, config.logging.trajectories_per_group, resume_step)
+    logger = open_metrics_logger(config, run_dir, resume_step) if ranks.is_main else _Discard()
+    samples = TrajectoryWriter(run_dir, config.logging.trajectories_per_group if ranks.is_main else 0, resume_step)
     step, skipped_in_row = start, 0
     budget_s = config.train.max_minutes * 60 if config.train.max_minutes else float("inf")
     stepper = make_stepper(run, start)  # runtime.kind: local (rl_step), async or ray
     try:
-        with TrainProgress(config.train.steps, config.logging.progress, start) as progress:
+        with TrainProgress(config.train.steps, config.logging.progress and ranks.is_main, start) as progress:
             while step < config.train.steps and train_time < budget_s:
                 step += 1
                 metrics, trajectories = stepper.step(step)
+                # The slowest rank's time, so every rank's time budget ends at the same step.
+                metrics["step_time_s"] = all_reduce_max(metrics["step_time_s"])
                 train_time += metrics["step_time_s"]
                 metrics["train_time_s"] = train_time
                 metrics.update({f"task_ratio/{k}": v for k, v in run.sampler.realised_ratio().items()})
@@ -106,7 +125,49 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     summary.update(
         steps=step, train_time_s=train_time, wall_time_s=summary.get("wall_time_s", 0.0) + time.perf_counter() - wall0
     )
-    _write_json(summary_path, summary)
-    if config.logging.report:
+    _write_json(summary_path, summary, ranks.is_main)
+    if config.logging.report and ranks.is_main:
         write_report_safely(run_dir, log)
     return summary
+
+
+def _train_on_ranks(config: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
+    """Start ``learner.world_size`` ranks on this machine, each running ``train``; rank 0's summary."""
+    load_tokenizer(config.model.name)  # the bundled model is converted once, before ranks race for it
+    if config.model.name != TINY_ALIAS:
+        resolve_model_path(config.model.name)
+    launch_ranks(config.learner.world_size, resolve_device(config.train.device), _rank_train, config, run_dir, resume)
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _rank_train(config: Config, run_dir: Path, resume: bool) -> None:
+    _join(config)
+    try:
+        train(config, run_dir, resume, log=_to_stderr)
+    finally:
+        leave_group()
+
+
+def _join(config: Config) -> None:
+    ranks = join_group(config.learner.backend, config.learner.timeout_s, resolve_device(config.train.device))
+    if ranks.world_size != config.learner.world_size:
+        raise RankFailedError(f"learner.world_size is {config.learner.world_size}, but the launcher started "
+                              f"{ranks.world_size} ranks (WORLD_SIZE)")
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _quiet(message: str) -> None:
+    """Ranks other than 0 keep quiet: rank 0 says everything once."""
+
+
+class _Discard:
+    """The metrics sink of ranks other than 0."""
+
+    def write(self, step: int, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

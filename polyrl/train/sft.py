@@ -25,9 +25,10 @@ from polyrl.envs.base import Task, make_task
 from polyrl.observe.metrics import open_metrics_logger
 from polyrl.rollout.render import ChatRenderer
 from polyrl.train import faults
+from polyrl.train.batch import collate
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.train.demonstrations import demonstration_example
-from polyrl.train.learner import collate, lr_factor
+from polyrl.train.learner import lr_factor
 from polyrl.train.logprobs import token_logprobs
 from polyrl.train.step import load_policy
 from polyrl.types import Trajectory

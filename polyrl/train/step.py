@@ -5,6 +5,7 @@ a run holds, and ``rl_step``, the synchronous step of the diagram in docs/ARCHIT
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from polyrl.engines import make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import Task, make_task
 from polyrl.models.loading import holds_bf16_weights, load_model, load_tokenizer
+from polyrl.parallel.fsdp import gather_into
+from polyrl.parallel.group import SHARD_SEED_STRIDE, all_gather_objects, contiguous_shards, current
 from polyrl.rollout.multi_turn import evaluate, rollout_metrics
 from polyrl.runtime.allocator import keep_freed_memory
 from polyrl.train import faults
@@ -43,6 +46,10 @@ class Run:
     config: Config
     run_dir: Path
     model: Any
+    """The policy the learner trains (sharded over the ranks under ``learner.world_size`` > 1)."""
+    engine_model: Any
+    """The whole policy the engine samples from and evaluation reads: ``model`` itself in one process, an
+    unsharded copy refreshed after each update under a sharded learner."""
     tokenizer: Any
     tasks: dict[str, Task]
     engine: HFEngine
@@ -72,16 +79,18 @@ def build_run(config: Config, run_dir: Path) -> Run:
     tasks = {
         t.name: make_task(t, config.train.seed, config.model.system_prompt, tokenizer) for t in config.tasks
     }
-    engine = make_engine(config, model, tokenizer)  # engine.kind: hf, or vllm (optional extra)
+    # Each rank samples its share of a step's groups with the whole weights (copied before sharding).
+    engine_model = copy.deepcopy(model) if current().distributed else model
+    engine = make_engine(config, engine_model, tokenizer)  # engine.kind: hf, or vllm (optional extra)
     learner = Learner(
         model, config.algorithm, config.optim, config.rollout.temperature, config.model.bf16, engine.pad_id,
-        total_steps=config.train.steps, teachers=load_teachers(config, model),
+        total_steps=config.train.steps, teachers=load_teachers(config, engine_model), sharding=config.learner,
     )
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=config.train.seed)
     learner.replay_is_cap = config.agents.replay.is_cap
     if config.rollout.cross_policy is not None:
         learner.is_cap = config.rollout.cross_policy.is_cap
-    return Run(config, run_dir, model, tokenizer, tasks, engine, learner, sampler, AgentFeatures(config),
+    return Run(config, run_dir, model, engine_model, tokenizer, tasks, engine, learner, sampler, AgentFeatures(config),
                MultiTask(config, tasks, tokenizer))
 
 
@@ -110,11 +119,18 @@ class ScoredBatch:
 
 
 def local_rollout(run: Run) -> RolloutFn:
-    """Roll out on this process's engine."""
-    r = run.config.rollout
+    """Roll out on this process's engine; under several learner ranks, each rank rolls out a contiguous share
+    of the groups (shard k from seed + k * stride, as Ray workers do) and all ranks receive all of them, so
+    every rank goes on with the same batch."""
+    r, ranks = run.config.rollout, current()
 
     def rollout_fn(requests, seed: int, version: int, first_id: int) -> list[Trajectory]:
-        return run.agents.rollout(run.engine, requests, r, seed, version, first_id)
+        if not ranks.distributed:
+            return run.agents.rollout(run.engine, requests, r, seed, version, first_id)
+        lo, hi = contiguous_shards(len(requests), ranks.world_size)[ranks.rank]
+        mine = run.agents.rollout(run.engine, requests[lo:hi], r, seed + ranks.rank * SHARD_SEED_STRIDE, version,
+                                  first_id + lo) if hi > lo else []
+        return [t for part in all_gather_objects(mine) for t in part]
 
     return rollout_fn
 
@@ -157,7 +173,11 @@ def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
     t1 = time.perf_counter()
     faults.point("update", batch.step)
     update = run.learner.update(batch.kept)
+    t_sync = time.perf_counter()
+    if run.engine_model is not run.model:  # the sharded weights, gathered whole on every rank
+        update["sync/bytes"] = float(gather_into(run.model, run.engine_model, trainable_only=run.learner.is_lora))
     run.engine.sync()
+    update["sync/time_s"] = time.perf_counter() - t_sync
     return update, time.perf_counter() - t1
 
 
@@ -196,12 +216,17 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
 
 
 def evaluate_all(run: Run) -> dict[str, float]:
-    """Greedy held-out accuracy per task, on the policy's own weights (no bf16 copy unless eval.bf16)."""
-    cfg = run.config
+    """Greedy held-out accuracy per task, on the policy's own weights (no bf16 copy unless eval.bf16); under
+    several learner ranks each evaluates its share of the items."""
+    cfg, ranks = run.config, current()
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
+    policy = run.engine_model
     # Weights stored in bf16 (LoRA's frozen base) need autocast; the rest of the policy is still evaluated as is.
-    engine = run.engine if cfg.eval.bf16 else HFEngine(run.model, run.tokenizer, bf16=holds_bf16_weights(run.model))
-    return {
-        name: evaluate(engine, task, task.config.eval_size, max_new, cfg.eval.batch_size)["accuracy"]
-        for name, task in run.tasks.items()
-    }
+    engine = run.engine if cfg.eval.bf16 else HFEngine(policy, run.tokenizer, bf16=holds_bf16_weights(policy))
+    accuracy = {}
+    for name, task in run.tasks.items():
+        result = evaluate(engine, task, task.config.eval_size, max_new, cfg.eval.batch_size,
+                          part=(ranks.rank, ranks.world_size))
+        counts = all_gather_objects((result["solved"], result["n"]))
+        accuracy[name] = sum(s for s, _ in counts) / max(sum(n for _, n in counts), 1)
+    return accuracy

@@ -1,0 +1,118 @@
+"""The learner's process group: which rank this process is, collectives with a timeout, and how a step's
+work is split over ranks (contiguous shards of rollout requests, trajectories balanced by tokens)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SHARD_SEED_STRIDE = 104_729
+"""Shard k of a step's rollout groups samples from seed + k * stride (shard 0 keeps the seed)."""
+
+
+class RankFailedError(RuntimeError):
+    """A learner rank died or a collective timed out."""
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the learner ranks (rank 0 of 1 without a process group)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes the run's files (metrics, checkpoints' manifest, summary, report)."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def current() -> Ranks:
+    """The ranks of the initialised process group, or a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return Ranks(dist.get_rank(), dist.get_world_size())
+    return Ranks()
+
+
+def backend_for(backend: str, device: torch.device) -> str:
+    """``learner.backend``: auto is NCCL on CUDA devices and gloo on the CPU."""
+    if backend != "auto":
+        return backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def join_group(backend: str, timeout_s: float, device: torch.device) -> Ranks:
+    """Join the process group described by the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT, LOCAL_RANK; torchrun sets the same). A collective that waits past ``timeout_s`` raises
+    instead of hanging, so a dead rank ends the run."""
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if key not in os.environ:
+            raise RankFailedError(f"learner.world_size > 1 needs the launcher's environment; {key} is not set")
+    if device.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(backend_for(backend, device), timeout=timedelta(seconds=timeout_s))
+    return current()
+
+
+def leave_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` in one process)."""
+    ranks = current()
+    if not ranks.distributed:
+        return [obj]
+    out: list[Any] = [None] * ranks.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def all_reduce_max(value: float) -> float:
+    """The largest ``value`` over ranks."""
+    if not current().distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def barrier() -> None:
+    if current().distributed:
+        dist.barrier()
+
+
+def contiguous_shards(n: int, parts: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of ``n`` items over ``parts`` shards, earlier shards one larger; empty ones kept, so
+    shard k is always part k."""
+    base, extra = divmod(n, parts)
+    bounds, lo = [], 0
+    for k in range(parts):
+        hi = lo + base + (k < extra)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def balanced_shards(costs: list[int], parts: int) -> list[list[int]]:
+    """Indices of ``costs`` split into ``parts`` shards of about equal total cost (longest first, each to the
+    lightest shard so far); each shard keeps its indices in ascending order. Deterministic, so every rank
+    computes the same split."""
+    loads = [0] * parts
+    shards: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        k = min(range(parts), key=lambda k: (loads[k], len(shards[k]), k))
+        shards[k].append(i)
+        loads[k] += costs[i]
+    return [sorted(s) for s in shards]

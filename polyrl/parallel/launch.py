@@ -1,0 +1,67 @@
+"""Start a run's learner ranks on this machine, torchrun-style: ``polyrl train cfg.yaml learner.world_size=2``
+spawns the ranks itself (one process each, the launcher's environment set as torchrun sets it), every rank runs
+the same training loop, and a rank that fails or dies ends them all with one line naming it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from polyrl.parallel.group import RankFailedError
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface for the group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_devices(world_size: int, device: torch.device) -> None:
+    """One GPU per rank on a machine: more ranks than GPUs is a one-line error, not a hang."""
+    if device.type == "cuda" and world_size > torch.cuda.device_count():
+        raise RankFailedError(
+            f"learner.world_size: {world_size} ranks but this machine has {torch.cuda.device_count()} GPU(s); "
+            "use at most one rank per GPU, or runtime.kind: ray to place ranks on several machines"
+        )
+
+
+def _rank_main(rank: int, world_size: int, port: int, device_type: str, fn: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device_type == "cpu":  # the machine's cores shared out, so ranks do not oversubscribe them
+        torch.set_num_threads(max(1, usable_cpus() // world_size))
+    try:
+        fn(*args)
+    except Exception as exc:
+        # The parent shows this one line; the whole traceback goes to the rank's stderr first.
+        traceback.print_exc()
+        raise RankFailedError(f"learner rank {rank}: {type(exc).__name__}: {exc}") from None
+
+
+def launch_ranks(world_size: int, device: torch.device, fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)`` on ``world_size`` new processes of this machine, each a rank of one process group
+    (``fn`` joins it with ``group.join_group``). Returns when all have finished; if one fails or is killed,
+    the others are stopped and ``RankFailedError`` says which."""
+    check_devices(world_size, device)
+    try:
+        mp.start_processes(_rank_main, args=(world_size, free_port(), device.type, fn, args), nprocs=world_size,
+                           start_method="spawn")
+    except mp.ProcessRaisedException as exc:
+        last = str(exc).strip().splitlines()[-1]
+        raise RankFailedError(last.split("RankFailedError: ", 1)[-1]) from None
+    except mp.ProcessExitedException as exc:
+        raise RankFailedError(
+            f"learner rank {exc.error_index} exited with code {exc.exit_code}"
+            + (f" (signal {exc.signal_name})" if exc.signal_name else "") + "; the other ranks were stopped"
+        ) from None

@@ -1,0 +1,25 @@
+"""Run a function on several gloo ranks of this machine, for the sharded-learner tests: ranks are started
+by ``polyrl.parallel.launch`` and join the group as ``polyrl train`` ranks do."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from polyrl.parallel.group import join_group, leave_group
+from polyrl.parallel.launch import launch_ranks
+
+
+def _joined(fn: Callable, args: tuple) -> None:
+    join_group("gloo", 120.0, torch.device("cpu"))
+    try:
+        fn(*args)
+    finally:
+        leave_group()
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any) -> None:
+    """``fn(*args)`` on ``world_size`` gloo ranks; raises ``RankFailedError`` if any rank fails."""
+    launch_ranks(world_size, torch.device("cpu"), _joined, fn, args)

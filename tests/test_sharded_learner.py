@@ -1,0 +1,107 @@
+"""The sharded learner (FSDP2 over gloo ranks) takes the update one process takes on the same batch: loss,
+gradient norm and weights after the step agree to float32 rounding, for token-mean and sequence-mean
+aggregation, with and without LoRA."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from polyrl.config import AlgorithmConfig, LoraConfig, OptimConfig
+from polyrl.models.loading import load_model
+from polyrl.parallel.fsdp import gather_into
+from polyrl.parallel.group import balanced_shards, contiguous_shards, current
+from polyrl.train.learner import Learner
+from polyrl.types import Trajectory
+from tests.dist_helpers import run_ranks
+
+CASES = [(agg, lora) for agg in ("token-mean", "seq-mean-token-mean") for lora in (False, True)]
+
+
+def _trajectories(n_groups: int = 3, group: int = 4, seed: int = 0) -> list[Trajectory]:
+    """Groups with prompts and responses of different lengths (so ranks get unequal tokens), varied rewards."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(n_groups):
+        prompt = [rng.randrange(3, 60) for _ in range(3 + 2 * g)]
+        rewards = [float(rng.random() < 0.5) for _ in range(group)]
+        mean = sum(rewards) / group
+        for i in range(group):
+            resp = [rng.randrange(3, 60) for _ in range(2 + rng.randrange(6))]
+            n = len(prompt) + len(resp)
+            out.append(Trajectory(
+                task="t", item_id=g, group_id=g, input_ids=prompt + resp,
+                loss_mask=[0] * len(prompt) + [1] * len(resp), logprobs=[-1.0] * n, versions=[0] * n,
+                reward=rewards[i], advantage=rewards[i] - mean + 0.1 * i,
+            ))
+    return out
+
+
+def _update(agg: str, lora: bool, n_groups: int = 3, group: int = 4) -> tuple[dict, dict[str, torch.Tensor]]:
+    """One update of a tiny float32 policy; returns the metrics and the whole weights after it."""
+    torch.manual_seed(0)  # LoRA's initial adapters come from the global generator
+    model = load_model("tiny-random", LoraConfig(r=4, alpha=8) if lora else None, seed=3)
+    with torch.no_grad():  # adapters that already differ from the base (B starts at 0: AdamW's first step
+        for name, p in model.named_parameters():  # would be lr * sign(grad) on weights of size lr)
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)
+    full = copy.deepcopy(model)
+    algo = AlgorithmConfig(loss_agg=agg, kl_coef=0.05, clip_high=0.28)
+    learner = Learner(model, algo, OptimConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.05), 1.0, False, pad_id=2)
+    metrics = learner.update(_trajectories(n_groups, group))
+    gather_into(model, full)
+    return metrics, {k: v.detach().clone() for k, v in full.state_dict().items()}
+
+
+def _on_rank(path: str) -> None:
+    results = {case: _update(*case) for case in CASES}
+    results["one row"] = _update("token-mean", False, n_groups=1, group=1)
+    if current().is_main:
+        torch.save(results, path)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    path = str(tmp_path_factory.mktemp("ranks") / "results.pt")
+    run_ranks(2, _on_rank, path)
+    return torch.load(path)
+
+
+@pytest.mark.parametrize(("agg", "lora"), CASES)
+def test_two_ranks_take_the_one_process_update(two_ranks, agg, lora):
+    one_metrics, one_weights = _update(agg, lora)
+    two_metrics, two_weights = two_ranks[(agg, lora)]
+    for key in ("loss", "loss/pg", "kl", "grad_norm"):
+        assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-5, abs=1e-7), key
+    assert one_metrics["grad_norm"] > 0.05  # clipped: the clip factor depends on the whole norm
+    # Per tensor, the difference's norm against the weights' (AdamW's first step is close to lr * sign(grad),
+    # so a gradient entry near 0 whose float32 sum differs in order may move by up to lr: norms, not entries).
+    moved = 0
+    for name, w in one_weights.items():
+        rel = float((two_weights[name] - w).norm() / w.norm().clamp(min=1e-12))
+        assert rel <= 1e-5, (name, rel)
+        moved += "lora_" in name or not lora
+    assert moved > 0
+
+
+def test_a_rank_without_rows_joins_the_passes_and_adds_nothing(two_ranks):
+    """One trajectory over two ranks: rank 1 runs placeholder passes (the gathers are collectives)."""
+    one_metrics, one_weights = _update("token-mean", False, n_groups=1, group=1)
+    two_metrics, two_weights = two_ranks["one row"]
+    assert two_metrics["grad_norm"] == pytest.approx(one_metrics["grad_norm"], rel=1e-5)
+    assert two_metrics["loss"] == pytest.approx(one_metrics["loss"], rel=1e-5)
+    for name, w in one_weights.items():
+        assert float((two_weights[name] - w).norm() / w.norm()) <= 1e-5, name
+
+
+def test_shards_split_by_cost_deterministically():
+    shards = balanced_shards([10, 1, 7, 3, 3], 2)
+    assert sorted(i for s in shards for i in s) == [0, 1, 2, 3, 4]
+    loads = [sum([10, 1, 7, 3, 3][i] for i in s) for s in shards]
+    assert max(loads) - min(loads) <= 2
+    assert balanced_shards([1], 3) == [[0], [], []]
+    assert contiguous_shards(5, 2) == [(0, 3), (3, 5)]
+    assert contiguous_shards(1, 2) == [(0, 1), (1, 1)]
