@@ -1,0 +1,402 @@
+"""Weight sync from data-parallel learner ranks to engine processes that are not learner ranks.
+
+The engines (disaggregated sampling processes, Ray rollout workers) and learner rank 0 form one process group of
+their own (gloo on CPU, NCCL on GPU), separate from the learners' training group. Every sync:
+
+1. learner rank 0 broadcasts a header: version, mode (all parameters or adapters only) and each bucket's layout
+   (name, dtype, shape, byte offset);
+2. for each bucket of at most ``bucket_mb`` MB, every learner rank calls ``full_tensor()`` on the bucket's
+   DTensor parameters (FSDP2 shards: an all-gather among the learners, in the same order on every rank); rank 0
+   packs the full tensors into one byte buffer and broadcasts it to the engines (one collective per bucket);
+   the next bucket is gathered while the previous one is on the wire;
+3. each engine copies the bucket's tensors into its model's parameters by name, calls ``engine.sync()`` at the
+   end, and all sync members agree on an acknowledgement (an all-reduce): learner rank 0 learns that every
+   engine applied this version, and an engine that could not (a name it lacks, a parameter it did not get,
+   such as a LoRA adapter) makes both sides raise instead of sampling from stale weights.
+
+No process ever holds more than two buckets of full tensors besides its own model, so the learner needs no
+full copy of the policy. Every collective runs under the group's timeout: a dead or stalled peer raises an
+error on the other side within that time instead of hanging. After such an error the group is unusable;
+close it and join a new one.
+
+A runtime calls, on every learner rank (the same ``version`` everywhere)::
+
+    group = join_sync_group("learner", rank, num_engines, host, port)   # rank 0 hosts the store
+    sender = WeightSender(policy, group, bucket_mb=256)
+    metrics = sender.send(version)                                       # after each update
+
+and on each engine process (``index`` in 0..E-1)::
+
+    group = join_sync_group("engine", index, num_engines, host, port)
+    receiver = WeightReceiver(group, engine)                             # engine.policy gets the weights
+    metrics = receiver.receive()                                         # when a sync is due; None once closed
+
+1 MB is 10**6 bytes here (buckets and MB/s alike).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Literal, Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+MB = 1_000_000
+_ALIGN = 64  # byte offsets of tensors in a bucket, so that a slice can be viewed as any dtype
+_STOP = -1  # the version sent by WeightSender.close(): no more syncs
+_FAILED = -2  # an engine's acknowledgement when it could not apply a sync
+# Wrapper modules that insert a path segment into parameter names (FSDP1, activation checkpointing,
+# torch.compile) or a prefix (DDP); FSDP2 keeps the plain names.
+_WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
+_PEFT_PREFIX = "base_model.model."
+
+
+class SupportsSync(Protocol):
+    policy: torch.nn.Module
+
+    def sync(self) -> None: ...
+
+
+def canonical_name(name: str) -> str:
+    """A parameter name with wrapper segments and DDP's ``module.`` prefix removed."""
+    parts = [p for p in name.split(".") if p not in _WRAPPER_SEGMENTS]
+    if parts and parts[0] == "module":
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def plain_name(name: str) -> str:
+    """The name of a parameter in the model without peft: no ``base_model.model.`` prefix, no ``.base_layer``
+    (peft's LoRA layer keeps the original weight under it)."""
+    name = canonical_name(name)
+    if name.startswith(_PEFT_PREFIX):
+        name = name[len(_PEFT_PREFIX) :]
+    return name.replace(".base_layer.", ".")
+
+
+def is_adapter_name(name: str) -> bool:
+    return ".lora_" in name
+
+
+@dataclass
+class SyncGroup:
+    """Learner rank 0 (sync rank 0) and the engines (sync ranks 1..E) in one process group.
+
+    ``pg`` is None on learner ranks > 0: they take part in each sync's gathers, which run on the learners'
+    own group, but send nothing. Collectives use the low-level ``ProcessGroup`` calls, so the group does not
+    have to be torch's default group (``dist.new_group`` of a larger world works too: pass it as ``pg``).
+    """
+
+    pg: dist.ProcessGroup | None
+    rank: int
+    size: int
+    device: torch.device
+    timeout: timedelta
+    store: Any = field(default=None, repr=False)  # kept alive for the group's lifetime
+
+    @property
+    def member(self) -> bool:
+        return self.pg is not None
+
+    def broadcast(self, tensor: torch.Tensor, timeout_s: float | None = None) -> dist.Work:
+        """Start a broadcast from sync rank 0; the caller waits on the returned work."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        if timeout_s is not None:
+            opts.timeout = timedelta(seconds=timeout_s)
+        return self.pg.broadcast([tensor], opts)
+
+    def all_min(self, value: int) -> int:
+        """The minimum of ``value`` over all members (the acknowledgement of a sync)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MIN
+        self.pg.allreduce([t], opts).wait()
+        return int(t.item())
+
+    def close(self) -> None:
+        if self.pg is not None and hasattr(self.pg, "shutdown"):
+            self.pg.shutdown()
+        self.pg, self.store = None, None
+
+
+def join_sync_group(
+    role: Literal["learner", "engine"],
+    rank: int,
+    num_engines: int,
+    host: str,
+    port: int,
+    backend: Literal["gloo", "nccl"] = "gloo",
+    timeout_s: float = 600.0,
+    device: torch.device | None = None,
+    join_timeout_s: float | None = None,
+) -> SyncGroup:
+    """Join the sync group on a TCP store at ``host:port`` (hosted by learner rank 0). ``rank`` is the learner
+    rank or the engine index. Learner ranks > 0 return a non-member handle at once; the others block until all
+    1 + ``num_engines`` members have joined, or raise after ``join_timeout_s`` (default ``timeout_s``: engines
+    may take longer to start than a collective should take). ``timeout_s`` bounds every collective."""
+    timeout = timedelta(seconds=timeout_s)
+    join_timeout = timedelta(seconds=join_timeout_s or timeout_s)
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    if role == "learner" and rank > 0:
+        return SyncGroup(None, -1, 1 + num_engines, device, timeout)
+    sync_rank = 0 if role == "learner" else 1 + rank
+    size = 1 + num_engines
+    store = dist.TCPStore(host, port, size, is_master=sync_rank == 0, timeout=join_timeout, wait_for_workers=False)
+    prefixed = dist.PrefixStore("polyrl_weight_sync", store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        pg = dist.ProcessGroupGloo(prefixed, sync_rank, size, opts)
+    elif backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, sync_rank, size, opts)
+    else:
+        raise ValueError(f"weight sync backend {backend!r}: expected gloo or nccl")
+    return SyncGroup(pg, sync_rank, size, device, timeout, store)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def plan_buckets(
+    items: list[tuple[str, torch.Tensor]], bucket_bytes: int, wire_dtype: torch.dtype | None = None
+) -> list[list[tuple[str, str, list[int], int, int]]]:
+    """Group ``(name, tensor)`` into buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket of its
+    own), in order. Each entry is ``(name, dtype, shape, offset, nbytes)``; shapes are global (DTensor)."""
+    buckets: list[list[tuple[str, str, list[int], int, int]]] = [[]]
+    used = 0
+    for name, t in items:
+        dtype = wire_dtype if wire_dtype is not None and t.is_floating_point() else t.dtype
+        nbytes = t.numel() * dtype.itemsize
+        if buckets[-1] and used + nbytes > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append((name, _dtype_name(dtype), list(t.shape), used, nbytes))
+        used = _aligned(used + nbytes)
+    return [b for b in buckets if b]
+
+
+def _bucket_size(bucket: list[tuple[str, str, list[int], int, int]]) -> int:
+    return _aligned(bucket[-1][3] + bucket[-1][4])
+
+
+def _view(buf: torch.Tensor, dtype: str, shape: list[int], offset: int, nbytes: int) -> torch.Tensor:
+    return buf[offset : offset + nbytes].view(getattr(torch, dtype)).view(shape)
+
+
+class WeightSender:
+    """The learner side; every learner rank makes one and calls ``send`` with the same version.
+
+    ``adapter_only``: send only the trainable parameters (LoRA adapters); None means yes for a peft model.
+    ``wire_dtype`` (e.g. bfloat16) casts floating-point tensors for the wire; None sends them exactly.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        group: SyncGroup,
+        bucket_mb: float = 256.0,
+        adapter_only: bool | None = None,
+        wire_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.model, self.group = model, group
+        self.bucket_bytes = int(bucket_mb * MB)
+        self.adapter_only = hasattr(model, "peft_config") if adapter_only is None else adapter_only
+        self.wire_dtype = wire_dtype
+        self._buffers: list[torch.Tensor] = []
+
+    def _params(self) -> list[tuple[str, torch.Tensor]]:
+        # Read at each sync: FSDP2 swaps sharded and unsharded parameters around forward and backward.
+        items = [(canonical_name(n), p) for n, p in self.model.named_parameters()]
+        if self.adapter_only:
+            items = [(n, p) for n, p in items if p.requires_grad]
+            if not items:
+                raise RuntimeError("weight sync: adapter-only sync but the model has no trainable parameters")
+        return items
+
+    def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
+        while len(self._buffers) <= slot:
+            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.group.device))
+        if self._buffers[slot].numel() < nbytes:
+            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        return self._buffers[slot][:nbytes]
+
+    @torch.no_grad()
+    def send(self, version: int) -> dict[str, float]:
+        """One sync of the current weights, tagged ``version`` (>= 0). Returns ``sync/*`` metrics on rank 0
+        (time, bytes, MB/s, buckets); an empty dict on the other learner ranks."""
+        if version < 0:
+            raise ValueError(f"weight sync: version must be >= 0, got {version}")
+        t0 = time.perf_counter()
+        items = self._params()
+        buckets = plan_buckets(items, self.bucket_bytes, self.wire_dtype)
+        params = dict(items)
+        g = self.group
+        if g.member:
+            header = json.dumps({"mode": "adapter" if self.adapter_only else "all", "buckets": buckets}).encode()
+            meta = torch.tensor([version, len(header), len(buckets)], dtype=torch.int64, device=g.device)
+            g.broadcast(meta).wait()
+            g.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(g.device)).wait()
+        pending: list[dist.Work | None] = [None, None]
+        gather_s = 0.0
+        for k, bucket in enumerate(buckets):
+            slot = k % 2
+            if pending[slot] is not None:  # the buffer is reused once its broadcast two buckets ago is done
+                pending[slot].wait()
+            buf = self._buffer(slot, _bucket_size(bucket)) if g.member else None
+            tg = time.perf_counter()
+            for name, dtype, shape, offset, nbytes in bucket:
+                p = params[name]
+                full = p.full_tensor() if isinstance(p, DTensor) else p  # collective: all learners, same order
+                if buf is not None:
+                    _view(buf, dtype, shape, offset, nbytes).copy_(full)
+                del full
+            gather_s += time.perf_counter() - tg
+            if buf is not None:
+                pending[slot] = g.broadcast(buf)
+        for work in pending:
+            if work is not None:
+                work.wait()
+        if not g.member:
+            return {}
+        acked = g.all_min(version)
+        if acked != version:
+            raise RuntimeError(f"weight sync: an engine could not apply version {version} (see its error)")
+        seconds = time.perf_counter() - t0
+        nbytes = sum(e[4] for b in buckets for e in b)
+        return {"sync/time_s": seconds, "sync/bytes": float(nbytes), "sync/mb_per_s": nbytes / MB / seconds,
+                "sync/buckets": float(len(buckets)), "sync/gather_s": gather_s, "sync/version": float(version)}
+
+    def close(self) -> None:
+        """Tell the engines that no more syncs come (their ``receive`` returns None), then leave the group."""
+        g = self.group
+        if g.member:
+            g.broadcast(torch.tensor([_STOP, 0, 0], dtype=torch.int64, device=g.device)).wait()
+        g.close()
+
+
+def _index(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Engine parameters by canonical name, plus their peft-free names where those are unambiguous (a plain
+    learner can then fill a peft engine's base weights)."""
+    index = {canonical_name(n): p for n, p in model.named_parameters()}
+    aliases: dict[str, list[torch.nn.Parameter]] = {}
+    for n, p in index.items():
+        aliases.setdefault(plain_name(n), []).append(p)
+    for n, ps in aliases.items():
+        if n not in index and len(ps) == 1:
+            index[n] = ps[0]
+    return index
+
+
+class WeightReceiver:
+    """The engine side: receives each sync into ``model`` (default ``engine.policy``), then ``engine.sync()``."""
+
+    def __init__(
+        self, group: SyncGroup, engine: SupportsSync | None = None, model: torch.nn.Module | None = None
+    ) -> None:
+        if model is None and engine is None:
+            raise ValueError("WeightReceiver needs an engine or a model")
+        self.group, self.engine = group, engine
+        self.model = model if model is not None else engine.policy
+        self.version = -1
+        self._by_name = _index(self.model)
+        self._names = {canonical_name(n) for n, _ in self.model.named_parameters()}
+        self._buffers: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8, device=group.device)] * 2
+
+    def _recv(self, slot: int, nbytes: int) -> tuple[torch.Tensor, dist.Work]:
+        if self._buffers[slot].numel() < nbytes:
+            self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
+        buf = self._buffers[slot][:nbytes]
+        return buf, self.group.broadcast(buf)
+
+    def _resolve(self, mode: str, buckets: list) -> tuple[list[list[torch.Tensor | None]], list[str]]:
+        """The engine parameter for each header entry, and the problems (missing, mismatched, not covered)."""
+        problems, covered, targets = [], set(), []
+        for bucket in buckets:
+            row = []
+            for name, _, shape, _, _ in bucket:
+                p = self._by_name.get(name, self._by_name.get(plain_name(name)))
+                if p is None:
+                    problems.append(f"the engine model has no parameter {name!r}")
+                elif list(p.shape) != shape:
+                    problems.append(f"{name!r}: shape {shape} sent, {list(p.shape)} in the engine model")
+                    p = None
+                row.append(p)
+                if p is not None:
+                    covered.add(id(p))
+            targets.append(row)
+        expected = [n for n in self._names if mode == "all" or is_adapter_name(n)]
+        missed = sorted(n for n in expected if id(self._by_name[n]) not in covered)
+        problems += [f"{n!r} was not sent ({mode} sync)" for n in missed]
+        if mode == "adapter" and not expected:
+            problems.append("adapter-only sync but the engine model has no LoRA adapters (it must be a peft "
+                            "model with the learner's adapter names)")
+        return targets, problems
+
+    @torch.no_grad()
+    def receive(self, wait_s: float | None = None) -> dict[str, float] | None:
+        """Receive one sync (blocking until learner rank 0 sends it, at most ``wait_s``, default the group's
+        timeout), apply it and call ``engine.sync()``. Returns ``sync/*`` metrics, or None once the sender has
+        closed. Raises if the sync could not be applied, after telling the learner."""
+        g = self.group
+        meta = torch.zeros(3, dtype=torch.int64, device=g.device)
+        g.broadcast(meta, timeout_s=wait_s).wait()
+        t0 = time.perf_counter()
+        version, header_len, _ = (int(v) for v in meta.tolist())
+        if version == _STOP:
+            g.close()
+            return None
+        raw = torch.empty(header_len, dtype=torch.uint8, device=g.device)
+        g.broadcast(raw).wait()
+        header = json.loads(bytes(raw.cpu().tolist()))
+        buckets = header["buckets"]
+        targets, problems = self._resolve(header["mode"], buckets)
+        # One bucket on the wire while the one before it is copied into the model.
+        inflight = self._recv(0, _bucket_size(buckets[0])) if buckets else None
+        for k, bucket in enumerate(buckets):
+            buf, work = inflight
+            work.wait()
+            if k + 1 < len(buckets):
+                inflight = self._recv((k + 1) % 2, _bucket_size(buckets[k + 1]))
+            for (_, dtype, shape, offset, nbytes), p in zip(bucket, targets[k], strict=True):
+                if p is not None:
+                    p.copy_(_view(buf, dtype, shape, offset, nbytes))
+        copy_s = time.perf_counter() - t0
+        ok = not problems
+        if ok and self.engine is not None:
+            try:
+                self.engine.sync()
+            except Exception as exc:  # the learner must hear of it before this process raises
+                problems.append(f"engine.sync() failed: {type(exc).__name__}: {exc}")
+                ok = False
+        g.all_min(version if ok else _FAILED)
+        if problems:
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise RuntimeError(f"weight sync version {version}: {shown}")
+        self.version = version
+        seconds = time.perf_counter() - t0
+        nbytes = sum(e[4] for b in buckets for e in b)
+        return {"sync/time_s": seconds, "sync/bytes": float(nbytes), "sync/mb_per_s": nbytes / MB / seconds,
+                "sync/apply_s": seconds - copy_s, "sync/version": float(version)}
+
+
+def iter_full_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(canonical name, full tensor)`` of every parameter, gathering DTensors (a collective on every learner
+    rank): what the engines should hold after a full sync; used by tests and the benchmark."""
+    for n, p in model.named_parameters():
+        yield canonical_name(n), (p.full_tensor() if isinstance(p, DTensor) else p).detach()
