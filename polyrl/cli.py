@@ -210,5 +210,25 @@ def tasks() -> None:
         typer.echo(f"  {name:<{width}}  {doc}")
 
 
+@app.command("export")
+def export_cmd(
+    source: Annotated[Path, typer.Argument(help="A run directory (its newest valid checkpoint) or a checkpoint.")],
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write; must not exist or be empty.")],
+    base: Annotated[
+        str | None, typer.Option("--base", help="Base model alias or HF directory (default: the checkpoint's).")
+    ] = None,
+    merge: Annotated[bool, typer.Option("--merge", help="LoRA: write merged weights, not the adapter.")] = False,
+) -> None:
+    """Write a checkpoint (sharded or not) as a Hugging Face directory: config, weights, tokenizer."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    from polyrl.parallel.export import export_hf
+
+    try:
+        path = export_hf(source, out_dir, base, merge_lora=merge)
+    except (ValueError, OSError) as exc:  # OSError: a missing model, a non-empty output directory
+        _fail(str(exc))
+    typer.echo(str(path))
+
+
 def main() -> None:
     app(sys.argv[1:])

@@ -310,3 +310,17 @@ def test_lora_checkpoint_holds_the_adapter_and_exports(tmp_path):
         assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-random"
         reloaded = PeftModel.from_pretrained(load_model("tiny-random", float32_attention=False), adapter)
         assert torch.equal(reloaded(input_ids=ids).logits, want)
+
+
+def test_cli_export_writes_a_run_dirs_newest_checkpoint(runs, tmp_path):
+    from typer.testing import CliRunner
+
+    from polyrl.cli import app
+
+    root, _ = runs
+    out = tmp_path / "hf"
+    done = CliRunner().invoke(app, ["export", str(root / "ws1"), str(out)])
+    assert done.exit_code == 0, done.output
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
+    again = CliRunner().invoke(app, ["export", str(root / "ws1"), str(out)])
+    assert again.exit_code == 2 and "exists and is not empty" in again.output
