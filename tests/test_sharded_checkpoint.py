@@ -324,3 +324,17 @@ def test_cli_export_writes_a_run_dirs_newest_checkpoint(runs, tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(out))
     again = CliRunner().invoke(app, ["export", str(root / "ws1"), str(out)])
     assert again.exit_code == 2 and "exists and is not empty" in again.output
+
+
+def test_a_one_process_hf_checkpoint_exports_too(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from polyrl.models.loading import load_tokenizer
+    from polyrl.train.checkpoint import save_checkpoint
+
+    model = _model(5)
+    save_checkpoint(tmp_path / "run", 2, model, load_tokenizer("tiny-random"), {}, {"sampler": {}})
+    out = export_hf(tmp_path / "run", tmp_path / "hf")
+    assert not {"optimizer.pt", "rng.pt", "manifest.json"} & set(os.listdir(out))
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    assert all(torch.equal(v, exported[k]) for k, v in model.state_dict().items())
