@@ -338,3 +338,23 @@ def test_a_one_process_hf_checkpoint_exports_too(tmp_path):
     assert not {"optimizer.pt", "rng.pt", "manifest.json"} & set(os.listdir(out))
     exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert all(torch.equal(v, exported[k]) for k, v in model.state_dict().items())
+
+
+def test_a_module_without_an_hf_model_saves_and_loads_but_does_not_export(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    save_sharded(tmp_path / "run/checkpoints/step-3", net, opt, {"step": 3})  # before any step: no optimizer state
+    net(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    save_sharded(tmp_path / "run/checkpoints/step-4", net, opt, {"step": 4}, keep=1)
+    assert [p.name for p in (tmp_path / "run/checkpoints").iterdir()] == ["step-4"]
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    assert load_sharded(tmp_path / "run/checkpoints/step-4", fresh, fresh_opt) == {"step": 4}
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), fresh.parameters(), strict=True))
+    assert fresh_opt.state_dict()["state"][0]["step"] == 1
+    with pytest.raises(ValueError, match="no Hugging Face model"):
+        export_hf(tmp_path / "run", tmp_path / "hf")
+    with pytest.raises(ValueError, match="not a sharded checkpoint"):
+        load_sharded(tmp_path / "run", fresh)

@@ -85,10 +85,11 @@ def is_sharded(path: Path) -> bool:
     return (Path(path) / META).is_file()
 
 
-def find_policy(model: torch.nn.Module) -> tuple[str, torch.nn.Module, Any | None]:
+def find_policy(model: torch.nn.Module) -> tuple[str, torch.nn.Module, Any | None] | None:
     """(name prefix, HF model, peft adapter config or None) of the policy inside ``model``: the model itself, or
     the shallowest Hugging Face / peft model under a wrapper (the learner's FSDP root holds the policy and the
-    critic). FSDP2 keeps classes and names, so this sees through sharding."""
+    critic); None for a module holding none (it saves and loads, but cannot be exported). FSDP2 keeps classes
+    and names, so this sees through sharding."""
     from peft import PeftModel
     from transformers import PreTrainedModel
 
@@ -97,7 +98,7 @@ def find_policy(model: torch.nn.Module) -> tuple[str, torch.nn.Module, Any | Non
             return (f"{name}." if name else ""), module.get_base_model(), module.peft_config[module.active_adapter]
         if isinstance(module, PreTrainedModel):
             return (f"{name}." if name else ""), module, None
-    raise ValueError(f"{type(model).__name__}: holds no Hugging Face model to checkpoint")
+    return None
 
 
 def _rng_state() -> dict[str, Any]:
@@ -132,13 +133,15 @@ def _step_of(path: Path, extra: dict) -> int:
     return int(m.group(1)) if m else int(extra.get("step", 0))
 
 
-def _write_rank0_files(tmp: Path, model, tokenizer, extra: dict, world: int, with_optimizer: bool) -> None:
-    prefix, hf_model, adapter = find_policy(model)
+def _write_rank0_files(tmp: Path, policy, tokenizer, extra: dict, world: int, with_optimizer: bool) -> None:
+    prefix, hf_model, adapter = policy or (None, None, None)
     hf = tmp / HF_DIR
     hf.mkdir()
-    hf_model.config.save_pretrained(hf)
-    # peft records the base's name only for models from from_pretrained; load_model's aliases live in the config.
-    base = (adapter is not None and adapter.base_model_name_or_path) or hf_model.config._name_or_path or None
+    base = None
+    if hf_model is not None:
+        hf_model.config.save_pretrained(hf)
+        # peft records the base's name only for a base from from_pretrained; load_model puts aliases in the config.
+        base = (adapter is not None and adapter.base_model_name_or_path) or hf_model.config._name_or_path or None
     if adapter is not None:
         adapter = copy.copy(adapter)
         adapter.base_model_name_or_path = base
@@ -180,6 +183,7 @@ def save_sharded(
     path = Path(path)
     rank, world = _rank_world()
     step = _step_of(path, extra)
+    policy = find_policy(model)  # before any collective: an error here is every rank's, not a hang
     tmp = path.parent / f".{path.name}.tmp"
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -194,7 +198,7 @@ def save_sharded(
         dcp.save(state, checkpoint_id=tmp / DCP_DIR)
     torch.save(_rng_state(), tmp / RNG_DIR / f"rank-{rank}.pt")
     if rank == 0:
-        _write_rank0_files(tmp, model, tokenizer, extra, world, with_optimizer)
+        _write_rank0_files(tmp, policy, tokenizer, extra, world, with_optimizer)
     _barrier()  # every rank's files exist
     faults.point("ckpt_files", step)
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -240,12 +244,17 @@ def load_sharded(
     first stepped leaves ``optimizer`` as it is.
     """
     path = Path(path)
+    if not is_sharded(path):
+        raise ValueError(f"{path}: not a sharded checkpoint (no {META}); train/checkpoint.load_checkpoint reads it")
     meta = json.loads((path / META).read_text())
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a {FORMAT} checkpoint (format {meta.get('format')!r})")
+        raise ValueError(f"{path}: format {meta.get('format')!r}, this code reads {FORMAT}")
     if optimizer is not None and not meta.get("optimizer", True):
         optimizer = None
     state = _state(model, optimizer)
+    if optimizer is not None and not state["optim"]["state"]:
+        # DCP's helper creates the state by a zero step only when no gradient is set: loading would drop moments.
+        raise ValueError(f"{path}: load before the first backward pass (the optimizer has no state to load into)")
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=path / DCP_DIR)
     if optimizer is None:

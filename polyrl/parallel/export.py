@@ -86,7 +86,9 @@ def _from_sharded(ckpt: Path, base: str | torch.nn.Module | None, merge: bool):
 
     meta = json.loads((ckpt / META).read_text())
     base = base if base is not None else meta.get("base_model")
-    prefix = meta.get("policy_prefix", "")
+    prefix = meta.get("policy_prefix")
+    if prefix is None:
+        raise ValueError(f"{ckpt}: its model held no Hugging Face model, so there is nothing to export")
     # The learner's root may hold more than the policy (a critic): keep the policy's tensors, in its own names.
     tensors = {k.removeprefix(prefix): v for k, v in read_model_tensors(ckpt).items() if k.startswith(prefix)}
     if meta.get("peft"):
