@@ -65,6 +65,12 @@ class PreallocatedLayer(DynamicLayer):
 
 
 def preallocate(cache: DynamicCache, capacity: int) -> DynamicCache:
-    """Move a filled dynamic cache (e.g. after prefill) into buffers that first hold ``capacity`` positions."""
-    cache.layers = [PreallocatedLayer(layer.keys, layer.values, capacity) for layer in cache.layers]
+    """Move a filled dynamic cache (e.g. after prefill) into buffers that first hold ``capacity`` positions.
+
+    Only plain full-attention layers move: a sliding-window layer (Gemma 3's local layers) keeps just its last
+    window of positions and the mask is built from its own bookkeeping, so it stays as transformers made it."""
+    cache.layers = [
+        PreallocatedLayer(layer.keys, layer.values, capacity) if type(layer) is DynamicLayer else layer
+        for layer in cache.layers
+    ]
     return cache
