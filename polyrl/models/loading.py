@@ -178,6 +178,7 @@ def load_model(
             base = load_model(base_name, None, seed, float32_attention=float32_attention, device=device)
             return _place(PeftModel.from_pretrained(base, path, is_trainable=lora is not None), device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        check_output_head(model, name)
     model.config.use_cache = True
     if float32_attention:
         use_float32_attention(model)
@@ -200,6 +201,23 @@ def load_model(
         if bf16 and lora.bf16_base:
             frozen_base_to_bf16(model)
     return _place(model, device)
+
+
+# Config settings with which a model's forward changes the logits after the output head. polyrl computes
+# logits from the head's weight itself (float32, only where needed), so it would sample and train another model.
+_HEAD_POSTPROCESSING = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0}
+
+
+def check_output_head(model: PreTrainedModel, name: str) -> None:
+    """Refuse, in one line, a model whose logits are more than its output head's (Gemma 2's final softcapping,
+    Cohere's and Granite's logit scales)."""
+    for key, neutral in _HEAD_POSTPROCESSING.items():
+        value = getattr(model.config.get_text_config(), key, neutral)
+        if value is not None and value != neutral:
+            raise ValueError(
+                f"model '{name}': {key}={value} changes the logits after the output head, which polyrl's "
+                "learner and engine do not apply"
+            )
 
 
 def _place(model: PreTrainedModel, device: torch.device | str | None) -> PreTrainedModel:
