@@ -91,10 +91,11 @@ def supports(model: torch.nn.Module) -> bool:
         return False  # windowed attention is not implemented here
     if getattr(cfg, "mlp_bias", False) or getattr(cfg, "pretraining_tp", 1) != 1:
         return False
-    first = layers[0]
-    return all(hasattr(first.self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) and not hasattr(
-        first.self_attn, "q_norm"
-    )
+    att = layers[0].self_attn
+    if not all(hasattr(att, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or hasattr(att, "q_norm"):
+        return False  # Qwen3's per-head q/k norms are not implemented here
+    # Llama's attention_bias puts a bias on o_proj too; only q/k/v biases (Qwen2) are applied here.
+    return effective_weight(att.o_proj)[1] is None
 
 
 def effective_weight(linear: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
