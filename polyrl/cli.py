@@ -230,5 +230,25 @@ def export_cmd(
     typer.echo(str(path))
 
 
+@app.command("make-model")
+def make_model(
+    arch: Annotated[str, typer.Argument(help="llama3, qwen2, qwen3, gemma or gemma3.")],
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write (config, safetensors, tokenizer).")],
+    size: Annotated[str, typer.Option("--size", help="tiny (a few M parameters) or 1b (about 1B).")] = "tiny",
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the random weights.")] = 0,
+    fp32: Annotated[bool, typer.Option("--fp32", help="Store 1b in float32 (4 GB) instead of bf16.")] = False,
+) -> None:
+    """Write a randomly initialised model of another architecture, usable as model.name (docs/models.md)."""
+    import torch
+
+    from polyrl.models.synthetic import parameter_count, write_random_model
+
+    try:
+        path = write_random_model(arch, out_dir, size, seed, torch.float32 if fp32 else None)
+    except ValueError as exc:
+        _fail(str(exc))
+    typer.echo(f"{path}: {arch} {size}, {parameter_count(arch, size) / 1e6:.1f}M parameters")
+
+
 def main() -> None:
     app(sys.argv[1:])
