@@ -16,12 +16,14 @@ from polyrl.models.loading import TINY_ALIAS, load_tokenizer, resolve_model_path
 from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
 from polyrl.observe.progress import TrainProgress
 from polyrl.observe.report import write_report_safely
+from polyrl.parallel.checkpoint import is_sharded, load_sharded, save_sharded
+from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import RankFailedError, all_reduce_max, current, join_group, leave_group
 from polyrl.parallel.launch import launch_ranks
 from polyrl.runtime import make_stepper
 from polyrl.train import faults
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
-from polyrl.train.step import NonFiniteError, build_run, evaluate_all
+from polyrl.train.step import NonFiniteError, Run, build_run, evaluate_all
 
 
 def _write_json(path: Path, data: dict, writer: bool = True) -> None:
@@ -58,9 +60,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     if resume and ckpt is None:
         log(f"{run_dir}: no usable checkpoint to resume from; starting from step 0")
     if ckpt is not None:
-        optimizer_state, state = load_checkpoint(ckpt, run.model)
-        run.engine.sync()
-        run.learner.load_state_dict(optimizer_state)
+        state = _restore(run, ckpt)
         run.sampler.load_state_dict(state["sampler"])
         run.agents.load_state_dict(state.get("agents", {}))
         run.multitask.load_state_dict(state.get("multitask", {}))
@@ -73,13 +73,9 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         _write_json(summary_path, summary, ranks.is_main)
 
     def checkpoint(step: int) -> None:
-        save_checkpoint(
-            run_dir, step, run.model, run.tokenizer,
-            run.learner.state_dict(),
-            {"sampler": run.sampler.state_dict(), "agents": run.agents.state_dict(),
-             "multitask": run.multitask.state_dict(), "train_time_s": train_time},
-            keep=config.train.keep_checkpoints,
-        )
+        state = {"sampler": run.sampler.state_dict(), "agents": run.agents.state_dict(),
+                 "multitask": run.multitask.state_dict(), "train_time_s": train_time}
+        _save(run, step, state)
 
     resume_step = start if ckpt is not None else None
     logger = open_metrics_logger(config, run_dir, resume_step) if ranks.is_main else _Discard()
@@ -129,6 +125,36 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     if config.logging.report and ranks.is_main:
         write_report_safely(run_dir, log)
     return summary
+
+
+def _save(run: Run, step: int, state: dict[str, Any]) -> None:
+    """Checkpoint ``step``: in one process an HF directory with the optimizer beside it; under several ranks
+    every rank writes its shards (``parallel/checkpoint.py``), which resume at any world size."""
+    keep = run.config.train.keep_checkpoints
+    if not current().distributed:
+        save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.learner.state_dict(), state, keep=keep)
+        return
+    learner = run.learner
+    extra = {"step": step, **state, "learner": {"scheduler": learner.scheduler.state_dict()}}
+    save_sharded(run.run_dir / "checkpoints" / f"step-{step}", learner.policy_pass, learner.optimizer, extra,
+                 tokenizer=run.tokenizer, keep=keep)
+
+
+def _restore(run: Run, ckpt: Path) -> dict[str, Any]:
+    """Load ``ckpt`` (either kind) into the policy, learner and engine; returns the trainer state."""
+    learner = run.learner
+    if is_sharded(ckpt):
+        state = load_sharded(ckpt, learner.policy_pass, learner.optimizer)
+        learner.scheduler.load_state_dict(state["learner"]["scheduler"])
+        if run.engine_model is not run.model:
+            gather_into(run.model, run.engine_model, trainable_only=learner.is_lora)
+    elif current().distributed:
+        raise ValueError(f"{ckpt}: saved by one process; resume it with learner.world_size: 1")
+    else:
+        optimizer_state, state = load_checkpoint(ckpt, run.model)
+        learner.load_state_dict(optimizer_state)
+    run.engine.sync()
+    return state
 
 
 def _train_on_ranks(config: Config, run_dir: Path, resume: bool) -> dict[str, Any]:
