@@ -33,7 +33,8 @@ class _Stop(Exception):
 
 def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     # A copy: the learner keeps updating its tensors in place while the rollout process reads this one.
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # On the host: a GPU learner's tensors cannot cross to a rollout process that has no CUDA context of its own.
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def _rollout_main(

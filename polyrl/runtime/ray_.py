@@ -30,8 +30,6 @@ from polyrl.runtime.common import check_staleness, staleness_metrics
 from polyrl.train import faults
 from polyrl.types import Trajectory
 
-
-
 # Ray puts its sockets under the temp dir (session_<timestamp>_<pid>/sockets/plasma_store, about 65 characters),
 # and a Unix socket path may not exceed 107 bytes: a deep run directory would make ray.init fail.
 _MAX_RAY_TEMP_LEN = 40

@@ -139,17 +139,15 @@ class Learner:
         trajectories = sorted(
             trajectories, key=lambda t: (p := t.prompt_len, t.group_id, len(t.input_ids) - p)
         )
-        batch = collate(trajectories, self.pad_id)
-        if self.device.type != "cpu":
-            batch = batch.to(self.device)
+        batch = collate(trajectories, self.pad_id)  # on the host: its checks and slicing read no device
         if algo.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward misjudges its tokens
-            keep = torch.tensor([not t.truncated for t in trajectories], dtype=batch.loss_mask.dtype,
-                                device=self.device)
+            keep = torch.tensor([not t.truncated for t in trajectories], dtype=batch.loss_mask.dtype)
             batch.loss_mask = batch.loss_mask * keep[:, None]
         if self._gradient_is_zero(batch):
             return self._step_on_zero_gradient()
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=self.device)
         cross = torch.tensor([bool(t.info.get("cross_policy")) for t in trajectories], device=self.device)
+        any_cross = any(t.info.get("cross_policy") for t in trajectories)
         # Normalisers of the whole batch: each rank's share of the loss carries them, so the ranks' gradients
         # add up to the gradient of the one-process loss over the whole batch.
         num_tokens = float(batch.loss_mask.sum().clamp(min=1))
@@ -158,6 +156,9 @@ class Learner:
         for mb, is_real in zip(micro_batches, real, strict=True):
             if not is_real:  # a placeholder pass that keeps the ranks' collectives in step; it adds nothing
                 mb.loss_mask = torch.zeros_like(mb.loss_mask)
+        if self.device.type != "cpu":
+            micro_batches = [mb.to(self.device) for mb in micro_batches]
+            chunks = [c.to(self.device) for c in chunks]
         ref = [self._reference_logprobs(mb) for mb in micro_batches] if self.wants_reference else None
         old = None
         if algo.epochs > 1:  # several passes need the pre-update log-probs (and values) fixed up front
@@ -181,7 +182,7 @@ class Learner:
                 # Tokens another policy sampled (rollout.cross_policy): weight by min(pi_old / mu, cap), unless
                 # algorithm.off_policy already corrects every row.
                 x_metrics = {}
-                if algo.off_policy == "none" and bool(cross[c].any()):
+                if algo.off_policy == "none" and any_cross and bool(cross[c].any()):
                     advantages, x_metrics = self._cross_policy(mb, cross[c], old_logp, advantages)
                 # Replayed samples (data/replay.py) are off-policy; algorithm.off_policy, when set, corrects them
                 # with every other row, so this one is only for the otherwise on-policy case.
@@ -351,13 +352,13 @@ class Learner:
         """Reverse KL to each row's task teacher (multi-teacher on-policy distillation); rows of tasks without
         a teacher are masked out. The teacher sees the same tokens under the same temperature."""
         teacher_logits = torch.zeros_like(logits, requires_grad=False)
-        has_teacher = torch.zeros(len(tasks), dtype=mb.loss_mask.dtype)
+        has_teacher = torch.zeros(len(tasks), dtype=mb.loss_mask.dtype, device=logits.device)
         with torch.no_grad():
             for teacher in {id(m): m for m in self.teachers.values()}.values():
                 rows = [i for i, t in enumerate(tasks) if self.teachers.get(t) is teacher]
                 if not rows:
                     continue
-                idx = torch.tensor(rows)
+                idx = torch.tensor(rows, device=logits.device)
                 sub = Batch(*(getattr(mb, f)[idx] for f in mb.__dataclass_fields__))
                 teacher_logits[idx] = response_logits(teacher, sub, self.temperature, self.bf16)
                 has_teacher[idx] = 1.0

@@ -77,6 +77,7 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     tokenizer, model = load_policy(config)
+    device = next(model.parameters()).device
     seed, system_prompt = config.train.seed, config.model.system_prompt
     tasks = {t.name: make_task(t, seed, system_prompt, tokenizer) for t in config.tasks}
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=seed)
@@ -126,7 +127,8 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
             optimizer.zero_grad(set_to_none=True)
             total = 0.0
             for i in range(0, n, o.micro_batch_size):
-                loss = sft_loss(model, batch.rows(slice(i, i + o.micro_batch_size)), config.model.bf16, num_tokens)
+                loss = sft_loss(model, batch.rows(slice(i, i + o.micro_batch_size)).to(device), config.model.bf16,
+                                num_tokens)
                 loss.backward()
                 total += float(loss.detach())
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip))

@@ -22,6 +22,7 @@ from polyrl.data.sampler import TaskSampler
 from polyrl.engines import make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import Task, make_task
+from polyrl.models.device import resolve_device
 from polyrl.models.loading import holds_bf16_weights, load_model, load_tokenizer
 from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import SHARD_SEED_STRIDE, all_gather_objects, contiguous_shards, current
@@ -68,7 +69,7 @@ def load_policy(config: Config) -> tuple[Any, Any]:
     tokenizer = load_tokenizer(config.model.name)
     model = load_model(
         config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16,
-        float32_attention=config.model.float32_attention,
+        float32_attention=config.model.float32_attention, device=resolve_device(config.train.device),
     )
     return tokenizer, model
 
