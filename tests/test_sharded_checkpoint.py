@@ -341,6 +341,19 @@ def test_a_one_process_hf_checkpoint_exports_too(tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
     assert all(torch.equal(v, exported[k]) for k, v in model.state_dict().items())
 
+    from polyrl.config import LoraConfig
+    from polyrl.models.loading import load_model
+
+    lora = load_model("tiny-random", lora=LoraConfig(r=4, target_modules=["q_proj"]), float32_attention=False)
+    torch.nn.init.normal_(lora.base_model.model.model.layers[0].self_attn.q_proj.lora_B.default.weight)
+    save_checkpoint(tmp_path / "lora", 1, lora, load_tokenizer("tiny-random"), {}, {})
+    # An alias-built base is unnamed in peft's adapter_config.json (a from_pretrained one is named): name it.
+    merged = export_hf(tmp_path / "lora", tmp_path / "merged", "tiny-random", merge_lora=True)
+    ids = torch.tensor([[1, 504, 33, 890, 12, 7]])
+    with torch.no_grad():
+        got = AutoModelForCausalLM.from_pretrained(merged)(input_ids=ids).logits
+        torch.testing.assert_close(got, lora(input_ids=ids).logits)
+
 
 def test_a_module_without_an_hf_model_saves_and_loads_but_does_not_export(tmp_path):
     torch.manual_seed(0)

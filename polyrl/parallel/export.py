@@ -62,7 +62,7 @@ def export_hf(
     if is_sharded(ckpt):
         model, tokenizer = _from_sharded(ckpt, base_model_name_or_model, merge_lora)
     else:
-        model, tokenizer = _from_hf_checkpoint(ckpt, merge_lora)
+        model, tokenizer = _from_hf_checkpoint(ckpt, base_model_name_or_model, merge_lora)
     tmp = out.parent / f".{out.name}.export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -170,15 +170,18 @@ def _tokenizer(hf_dir: Path, base: str | torch.nn.Module | None) -> Any:
     return None
 
 
-def _from_hf_checkpoint(ckpt: Path, merge: bool):
+def _from_hf_checkpoint(ckpt: Path, base: str | torch.nn.Module | None, merge: bool):
     """A one-process checkpoint (``train/checkpoint.py``): HF weights already; loaded and saved again, so the
     output holds only what an HF directory holds (no optimizer, RNG or manifest)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if (ckpt / "adapter_config.json").is_file():
-        from polyrl.models.loading import load_model
+    adapter_config = ckpt / "adapter_config.json"
+    if adapter_config.is_file():
+        from peft import PeftModel
 
-        model = load_model(str(ckpt), float32_attention=False)  # the adapter over its recorded base
+        # Its base by the name the adapter records (an alias such as tiny-random works: load_model resolves it).
+        recorded = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+        model = PeftModel.from_pretrained(_base_model(base or recorded, f"{ckpt} holds a LoRA adapter"), ckpt)
         if merge:
             model = model.merge_and_unload()
     else:
