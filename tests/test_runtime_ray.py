@@ -4,6 +4,8 @@ and builds its own run."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -61,3 +63,32 @@ def test_ray_temp_dir_stays_short_enough_for_unix_sockets(tmp_path):
     # Ray adds about 65 characters of session/socket path below the temp dir; Unix sockets allow 107 bytes.
     assert len(chosen) <= _MAX_RAY_TEMP_LEN and os.path.isdir(chosen)
     assert len(chosen + "/session_2026-11-30_08-56-45_437273_29596/sockets/plasma_store") <= 107
+
+
+def test_learner_ranks_as_actors_restart_from_the_checkpoint_when_one_is_lost(tmp_path):
+    """runtime.kind ray with learner.world_size 2: the ranks are actors in a placement group; one killed
+    inside step 2's update takes every rank down, and the driver starts them again from step 1's checkpoint.
+    The run ends with every step logged once and the same metrics as an uninterrupted local 2-rank run."""
+    from polyrl.train.faults import KILL_ONCE
+
+    args = ["eval.before=false", "eval.after=false", "logging.report=false", "logging.tensorboard=false",
+            "train.steps=3", "train.checkpoint_every=1", "algorithm.entropy_coef=0.05", "optim.lr=0.01",
+            "learner.world_size=2", "learner.timeout_s=60"]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop(KILL_AT, None)
+    ref = subprocess.run([sys.executable, "-m", "polyrl", "train", str(SMOKE), "-o", str(tmp_path / "ref"), *args],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    killed = {**env, KILL_AT: "update:2+0.01", KILL_ONCE: str(tmp_path / "killed-once")}
+    run = subprocess.run([sys.executable, "-m", "polyrl", "train", str(SMOKE), "-o", str(tmp_path / "run"), *args,
+                          "runtime.kind=ray", "runtime.ray_num_cpus=2"],
+                         capture_output=True, text=True, env=killed, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "killed-once").exists()  # the kill happened
+    assert "restarting all ranks from the newest checkpoint" in run.stdout + run.stderr
+    rows = _lines(tmp_path / "run", "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    ref_rows = _lines(tmp_path / "ref", "metrics.jsonl")
+    for a, b in zip(ref_rows, rows, strict=True):
+        assert {k: v for k, v in a.items() if not k.endswith("_s")} == {k: v for k, v in b.items()
+                                                                        if not k.endswith("_s")}

@@ -148,6 +148,9 @@ class Config(_Strict):
         if self.learner.world_size > 1 and self.runtime.kind == "async":
             raise ValueError("learner.world_size: the async runtime has one learner process; use runtime.kind "
                              "local (ranks on this machine) or ray (ranks on a cluster)")
+        if self.learner.world_size > 1 and (self.runtime.num_workers > 1 or self.runtime.eta > 0):
+            raise ValueError("runtime.num_workers / runtime.eta: with learner.world_size > 1 each rank rolls out "
+                             "its share of every step itself, in step with the update; leave them at 1 and 0")
         if algo.dynamic_sampling and rollout.group_size < 2:
             raise ValueError(
                 "algorithm.dynamic_sampling: needs rollout.group_size >= 2 (a group of one never varies)"

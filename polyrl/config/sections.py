@@ -279,6 +279,9 @@ class LearnerConfig(_Strict):
     """Recompute each decoder layer's activations in the backward pass (less memory, about a third more compute)."""
     offload_optimizer: bool = False
     """FSDP2 CPU offload: parameters, gradients and optimizer state of the shards live in host memory."""
+    max_restarts: int = Field(1, ge=0)
+    """Under ``runtime.kind: ray``: when a rank is lost with its process or node, start every rank again from
+    the newest checkpoint this many times before stopping with an error."""
     timeout_s: float = Field(1800.0, gt=0)
     """A collective that waits longer than this fails the run with an error instead of hanging (a rank died)."""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from polyrl.parallel.group import current
 from polyrl.runtime.common import Stepper
 
 
@@ -25,6 +26,8 @@ class LocalStepper:
 def make_stepper(run: Any, start: int) -> Stepper:
     """The stepper of ``run.config.runtime.kind``, resuming after step ``start``."""
     kind = run.config.runtime.kind
+    if current().distributed:  # every rank steps in turn; under ray the ranks themselves are the actors
+        return LocalStepper(run)
     if kind == "async":
         from polyrl.runtime.async_ import AsyncStepper
 

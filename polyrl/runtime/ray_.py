@@ -40,6 +40,19 @@ def _ray_temp_dir(run_dir: Path) -> str:
     inside = str((run_dir / "ray").resolve())
     return inside if len(inside) <= _MAX_RAY_TEMP_LEN else tempfile.mkdtemp(prefix="polyrl-ray-")
 
+def start_ray(rt: Any, run_dir: Path, log_to_driver: bool = False) -> bool:
+    """Connect to ``runtime.ray_address``'s cluster, or start a local Ray; False when one was already running."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(address=rt.ray_address, num_cpus=None if rt.ray_address else rt.ray_num_cpus,
+             include_dashboard=False, log_to_driver=log_to_driver,
+             _temp_dir=None if rt.ray_address else _ray_temp_dir(run_dir))
+    return True
+
+
 class RolloutWorker:
     """A Ray actor: its own copy of the run (model, engine, tasks), rolling out the shards it is sent."""
 
@@ -75,12 +88,7 @@ class RayStepper:
             raise RuntimeError("runtime.kind ray: ray is not installed; pip install 'polyrl[ray]'") from None
         self.ray, self.run, rt = ray, run, run.config.runtime
         self.eta, self.restarts = rt.eta, 0
-        self._started_ray = not ray.is_initialized()
-        if self._started_ray:
-            os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(address=rt.ray_address, num_cpus=None if rt.ray_address else rt.ray_num_cpus,
-                     include_dashboard=False, log_to_driver=False,
-                     _temp_dir=None if rt.ray_address else _ray_temp_dir(run.run_dir))
+        self._started_ray = start_ray(rt, run.run_dir)
         self._actor = ray.remote(num_cpus=1, max_restarts=0)(RolloutWorker)
         self.incarnations = [0] * rt.num_workers
         self.workers = [self._new_worker(k) for k in range(rt.num_workers)]

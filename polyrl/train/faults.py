@@ -5,6 +5,8 @@
 ``"phase:step+0.05"`` kills it 0.05 s later, from a timer thread, i.e. somewhere inside the work that follows
 the point (generation after ``rollout``, the optimizer update after ``update``). ``POLYRL_TEST_FAULT_TRACE``
 names a file that gets one ``phase:step`` line per point reached, so a test can tell where a kill landed.
+``POLYRL_TEST_KILL_ONCE`` names a marker file: only the first process to create it is killed (the ranks of a
+run restarted after the kill reach the same point again and must live).
 Both unset (the normal case), ``point`` costs two environment lookups.
 
 Points: ``rollout`` (start of a step), ``update`` (before the optimizer update), ``logged`` (metrics and
@@ -19,6 +21,7 @@ import signal
 import threading
 
 KILL_AT = "POLYRL_TEST_KILL_AT"
+KILL_ONCE = "POLYRL_TEST_KILL_ONCE"
 TRACE = "POLYRL_TEST_FAULT_TRACE"
 _seen: dict[str, int] = {}
 
@@ -44,6 +47,12 @@ def point(phase: str, step: int) -> None:
     _seen[here] = _seen.get(here, 0) + 1
     if _seen[here] != int(nth or 1):
         return
+    once = os.environ.get(KILL_ONCE)
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return
     if delay:
         threading.Timer(float(delay), _kill).start()
     else:

@@ -21,6 +21,7 @@ from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import RankFailedError, all_reduce_max, current, join_group, leave_group
 from polyrl.parallel.launch import launch_ranks
 from polyrl.runtime import make_stepper
+from polyrl.runtime.ray_ranks import train_on_ray_ranks
 from polyrl.train import faults
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.train.step import NonFiniteError, Run, build_run, evaluate_all
@@ -41,7 +42,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     if config.learner.world_size > 1 and not current().distributed:
         if "RANK" not in os.environ:
             return _train_on_ranks(config, run_dir, resume)
-        _join(config)
+        _join(config)  # started by torchrun
     ranks = current()
     wall0 = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -162,7 +163,11 @@ def _train_on_ranks(config: Config, run_dir: Path, resume: bool) -> dict[str, An
     load_tokenizer(config.model.name)  # the bundled model is converted once, before ranks race for it
     if config.model.name != TINY_ALIAS:
         resolve_model_path(config.model.name)
-    launch_ranks(config.learner.world_size, resolve_device(config.train.device), _rank_train, config, run_dir, resume)
+    if config.runtime.kind == "ray":
+        train_on_ray_ranks(config, run_dir, _rank_train, resume)
+    else:
+        launch_ranks(config.learner.world_size, resolve_device(config.train.device), _rank_train, config, run_dir,
+                     resume)
     return json.loads((run_dir / "summary.json").read_text())
 
 
