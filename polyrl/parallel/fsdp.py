@@ -66,3 +66,9 @@ def gather_into(sharded: torch.nn.Module, full: torch.nn.Module, trainable_only:
         targets[name].copy_(value)
         copied += value.numel() * value.element_size()
     return copied
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """``clip_grad_norm_``'s total norm as a number; over sharded (DTensor) gradients it is the whole norm."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)

@@ -116,3 +116,30 @@ def balanced_shards(costs: list[int], parts: int) -> list[list[int]]:
         shards[k].append(i)
         loads[k] += costs[i]
     return [sorted(s) for s in shards]
+
+
+SAME_ON_EVERY_RANK = ("grad_norm", "skipped_updates")
+"""Update metrics every rank computes whole (the gradient norm is the whole batch's)."""
+
+
+def merge_rank_metrics(totals: dict, means: dict) -> tuple[dict, dict]:
+    """One update's metrics over all ranks: each rank's sums (and shares of averages) add up, ``*/max`` and
+    ``*/min`` take the extreme, ``SAME_ON_EVERY_RANK`` is taken as it is; None where no rank measured it."""
+    gathered = all_gather_objects((totals, means))
+    out: list[dict] = []
+    for part in (0, 1):
+        merged: dict = {}
+        for key in {k for g in gathered for k in g[part]}:
+            values = [g[part][key] for g in gathered if g[part].get(key) is not None]
+            if not values:
+                merged[key] = None
+            elif key in SAME_ON_EVERY_RANK:
+                merged[key] = values[0]
+            elif key.endswith("/max"):
+                merged[key] = max(values)
+            elif key.endswith("/min"):
+                merged[key] = min(values)
+            else:
+                merged[key] = sum(values)
+        out.append(merged)
+    return out[0], out[1]

@@ -9,7 +9,6 @@ import warnings
 from functools import partial
 
 import torch
-from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from polyrl.algorithms import LOSSES, aggregate, kl_estimate, kl_penalty_to_go
@@ -18,8 +17,8 @@ from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED
 from polyrl.config import AlgorithmConfig, LearnerConfig, OptimConfig
-from polyrl.parallel.fsdp import shard_module
-from polyrl.parallel.group import all_gather_objects, balanced_shards, current
+from polyrl.parallel.fsdp import clip_grad_norm, shard_module
+from polyrl.parallel.group import balanced_shards, current, merge_rank_metrics
 from polyrl.train.batch import Batch, collate
 from polyrl.train.logprobs import response_logits
 from polyrl.train.policy_pass import PolicyPass
@@ -229,9 +228,9 @@ class Learner:
                 for key, v in parts.items():
                     totals[key] = totals.get(key, 0.0) + v / algo.epochs
                 _accumulate(means, m, algo.epochs * real_total)
-            grad_norm = _clip_grad_norm(self.params, self.optim_cfg.grad_clip)
+            grad_norm = clip_grad_norm(self.params, self.optim_cfg.grad_clip)
             if self.value_head is not None:  # clipped apart: a fresh critic's big gradients spare the policy
-                _clip_grad_norm(list(self.value_head.parameters()), self.optim_cfg.grad_clip)
+                clip_grad_norm(list(self.value_head.parameters()), self.optim_cfg.grad_clip)
             if math.isfinite(grad_norm):
                 self.optimizer.step()
             else:  # a NaN/inf gradient must not reach the weights
@@ -240,7 +239,7 @@ class Learner:
             means["grad_norm"] = means.get("grad_norm", 0.0) + grad_norm / algo.epochs
         self._scheduler_step()
         if self.ranks.distributed:
-            totals, means = _across_ranks(totals, means)
+            totals, means = merge_rank_metrics(totals, means)
         totals.setdefault("kl", None)  # not measured: no reference was kept (kl_coef 0, track_kl off)
         totals.setdefault("skipped_updates", 0.0)
         return {**totals, **means, "zero_gradient": 0.0, "lr": self.scheduler.get_last_lr()[0]}
@@ -364,38 +363,6 @@ class Learner:
                 has_teacher[idx] = 1.0
         return reverse_kl_loss(logits, teacher_logits, mb.loss_mask * has_teacher[:, None], self.algo.loss_agg,
                                num_tokens)
-
-
-def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
-    """``clip_grad_norm_``'s total norm as a number; over sharded (DTensor) gradients it is the whole norm."""
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-
-
-_SAME_ON_EVERY_RANK = ("grad_norm", "skipped_updates")
-
-
-def _across_ranks(totals: dict, means: dict) -> tuple[dict, dict]:
-    """One update's metrics over all ranks: each rank's sums (and shares of averages) add up, ``*/max`` and
-    ``*/min`` take the extreme; the gradient norm is already the whole batch's."""
-    gathered = all_gather_objects((totals, means))
-    out: list[dict] = []
-    for part in (0, 1):
-        merged: dict = {}
-        for key in {k for g in gathered for k in g[part]}:
-            values = [g[part][key] for g in gathered if g[part].get(key) is not None]
-            if not values:
-                merged[key] = None
-            elif key in _SAME_ON_EVERY_RANK:
-                merged[key] = gathered[0][part].get(key, values[0])
-            elif key.endswith("/max"):
-                merged[key] = max(values)
-            elif key.endswith("/min"):
-                merged[key] = min(values)
-            else:
-                merged[key] = sum(values)
-        out.append(merged)
-    return out[0], out[1]
 
 
 def _detach(x: torch.Tensor | None) -> torch.Tensor | None:
