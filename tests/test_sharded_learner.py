@@ -6,16 +6,27 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 
 import pytest
 import torch
 
-from polyrl.config import AlgorithmConfig, LoraConfig, OptimConfig
+from polyrl.config import AlgorithmConfig, ConfigError, LoraConfig, OptimConfig, load_config
 from polyrl.models.loading import load_model
 from polyrl.parallel.fsdp import gather_into
-from polyrl.parallel.group import balanced_shards, contiguous_shards, current
+from polyrl.parallel.group import (
+    RankFailedError,
+    all_gather_objects,
+    backend_for,
+    balanced_shards,
+    contiguous_shards,
+    current,
+)
+from polyrl.parallel.launch import check_devices
 from polyrl.train.learner import Learner
+from polyrl.train.loop import train
 from polyrl.types import Trajectory
+from tests.conftest import SMOKE
 from tests.dist_helpers import run_ranks
 
 CASES = [(agg, lora) for agg in ("token-mean", "seq-mean-token-mean") for lora in (False, True)]
@@ -97,6 +108,12 @@ def test_a_rank_without_rows_joins_the_passes_and_adds_nothing(two_ranks):
         assert float((two_weights[name] - w).norm() / w.norm()) <= 1e-5, name
 
 
+def test_nccl_keeps_gloo_beside_it_for_host_tensors():
+    assert backend_for("auto", torch.device("cuda")) == "cpu:gloo,cuda:nccl"
+    assert backend_for("nccl", torch.device("cuda")) == "cpu:gloo,cuda:nccl"
+    assert backend_for("auto", torch.device("cpu")) == "gloo"
+
+
 def test_shards_split_by_cost_deterministically():
     shards = balanced_shards([10, 1, 7, 3, 3], 2)
     assert sorted(i for s in shards for i in s) == [0, 1, 2, 3, 4]
@@ -105,3 +122,41 @@ def test_shards_split_by_cost_deterministically():
     assert balanced_shards([1], 3) == [[0], [], []]
     assert contiguous_shards(5, 2) == [(0, 3), (3, 5)]
     assert contiguous_shards(1, 2) == [(0, 1), (1, 1)]
+
+
+def _stall_rank_one() -> None:
+    if current().rank == 1:
+        time.sleep(600)  # alive but never joins the collective
+    all_gather_objects("hello")
+
+
+def test_a_stalled_rank_ends_the_run_with_one_line_after_the_timeout():
+    t0 = time.perf_counter()
+    with pytest.raises(RankFailedError, match="learner rank 0"):
+        run_ranks(2, _stall_rank_one, timeout_s=5.0)
+    assert time.perf_counter() - t0 < 120  # not a hang: the timeout, then the other rank is stopped
+
+
+def test_more_ranks_than_gpus_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(RankFailedError, match="learner.world_size: 2 ranks but this machine has 1 GPU"):
+        check_devices(2, torch.device("cuda"))
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    (["runtime.kind=async"], "learner.world_size"),
+    (["runtime.kind=ray", "runtime.num_workers=2"], "runtime.num_workers"),
+])
+def test_runtimes_that_do_not_combine_with_ranks_are_config_errors(override, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(SMOKE, ["learner.world_size=2", *override])
+
+
+def test_a_one_process_checkpoint_is_not_resumed_by_ranks(tmp_path):
+    """Several ranks cannot load a one-process checkpoint's optimizer: a one-line error says what to do."""
+    cfg = load_config(SMOKE, ["eval.before=false", "eval.after=false", "logging.report=false", "train.steps=1"])
+    train(cfg, tmp_path, log=lambda *_: None)
+    ranks_cfg = load_config(SMOKE, ["eval.before=false", "eval.after=false", "logging.report=false",
+                                    "train.steps=2", "learner.world_size=2"])
+    with pytest.raises(RankFailedError, match="saved by one process; resume it with learner.world_size: 1"):
+        train(ranks_cfg, tmp_path, resume=True, log=lambda *_: None)

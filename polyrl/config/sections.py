@@ -274,7 +274,7 @@ class LearnerConfig(_Strict):
     on GPU, one GPU each), or as Ray actors under ``runtime.kind: ray``. Parameters, gradients and optimizer
     state are sharded in float32; ``model.bf16`` computes under bf16 autocast as in one process."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend; auto is nccl on cuda, gloo on cpu."""
+    """torch.distributed backend; auto is nccl on cuda, gloo on cpu (nccl also opens gloo for host tensors)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward pass (less memory, about a third more compute)."""
     offload_optimizer: bool = False

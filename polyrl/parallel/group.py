@@ -44,10 +44,11 @@ def current() -> Ranks:
 
 
 def backend_for(backend: str, device: torch.device) -> str:
-    """``learner.backend``: auto is NCCL on CUDA devices and gloo on the CPU."""
-    if backend != "auto":
-        return backend
-    return "nccl" if device.type == "cuda" else "gloo"
+    """``learner.backend``: auto is NCCL on CUDA devices and gloo on the CPU. NCCL comes with gloo beside it for
+    host tensors: the ranks also exchange small Python objects and numbers (trajectories, metrics, step times)."""
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
 def join_group(backend: str, timeout_s: float, device: torch.device) -> Ranks:
