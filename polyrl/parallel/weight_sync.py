@@ -120,6 +120,15 @@ class SyncGroup:
         self.pg.allreduce([t], opts).wait()
         return int(t.item())
 
+    def all_texts(self, text: str, nbytes: int = 2048) -> list[str]:
+        """Every member's ``text`` (cut to ``nbytes``), in sync-rank order: an engine's error for the learner."""
+        mine = torch.zeros(nbytes, dtype=torch.uint8)
+        raw = text.encode()[:nbytes]
+        mine[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        out = [torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        self.pg.allgather([out], [mine.to(self.device)]).wait()
+        return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in out]
+
     def close(self) -> None:
         if self.pg is not None and hasattr(self.pg, "shutdown"):
             self.pg.shutdown()
@@ -218,7 +227,7 @@ class WeightSender:
         self.bucket_bytes = int(bucket_mb * MB)
         self.adapter_only = hasattr(model, "peft_config") if adapter_only is None else adapter_only
         self.wire_dtype = wire_dtype
-        self._buffers: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []  # two, for the bucket on the wire and the one being packed
 
     def _params(self) -> list[tuple[str, torch.Tensor]]:
         # Read at each sync: FSDP2 swaps sharded and unsharded parameters around forward and backward.
@@ -272,11 +281,12 @@ class WeightSender:
         for work in pending:
             if work is not None:
                 work.wait()
+        self._buffers.clear()  # two buckets' worth of (GPU) memory, not kept through training
         if not g.member:
             return {}
-        acked = g.all_min(version)
-        if acked != version:
-            raise RuntimeError(f"weight sync: an engine could not apply version {version} (see its error)")
+        if g.all_min(version) != version:
+            errors = [f"engine {i - 1}: {e}" for i, e in enumerate(g.all_texts("")) if e]
+            raise RuntimeError(f"weight sync: version {version} was not applied: " + " | ".join(errors))
         seconds = time.perf_counter() - t0
         nbytes = sum(e[4] for b in buckets for e in b)
         return {"sync/time_s": seconds, "sync/bytes": float(nbytes), "sync/mb_per_s": nbytes / MB / seconds,
@@ -384,9 +394,10 @@ class WeightReceiver:
             except Exception as exc:  # the learner must hear of it before this process raises
                 problems.append(f"engine.sync() failed: {type(exc).__name__}: {exc}")
                 ok = False
-        g.all_min(version if ok else _FAILED)
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        if g.all_min(version if ok else _FAILED) != version:  # every member then shares its error
+            g.all_texts(shown)
         if problems:
-            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise RuntimeError(f"weight sync version {version}: {shown}")
         self.version = version
         seconds = time.perf_counter() - t0
