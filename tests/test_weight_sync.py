@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,14 @@ import torch
 import torch.multiprocessing as mp
 
 from polyrl.parallel.launch import free_port
-from polyrl.parallel.weight_sync import WeightReceiver, WeightSender, canonical_name, join_sync_group
+from polyrl.parallel.weight_sync import (
+    SyncGroup,
+    WeightReceiver,
+    WeightSender,
+    canonical_name,
+    iter_full_state,
+    join_sync_group,
+)
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 TOKENIZER = SimpleNamespace(pad_token_id=2, eos_token_id=2)  # all HFEngine reads from a tokenizer
@@ -70,8 +78,6 @@ def _shard_and_step(model) -> None:
 
 def _learner(rank: int, ports: dict, out: Path) -> None:
     import torch.distributed as dist
-
-    from polyrl.parallel.weight_sync import iter_full_state
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{ports['learners']}", rank=rank, world_size=2)
     group = join_sync_group("learner", rank, 1, "127.0.0.1", ports["sync"], timeout_s=60)
@@ -147,6 +153,42 @@ def test_fsdp_learners_to_engine_full_and_lora(tmp_path: Path) -> None:
     assert "version 3 was not applied" in learner["mismatch"] and "lora_A" in learner["mismatch"]
     assert "no parameter" in engine["mismatch"] and "lora_A" in engine["mismatch"]
     assert engine["closed"]
+
+
+def _world_main(rank: int, port: int, out: str) -> None:
+    """Ranks 0-1 learners (FSDP2 on their own subgroup), rank 2 an engine; the sync group a subgroup {0, 2}."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    learners, sync = dist.new_group([0, 1]), dist.new_group([0, 2])  # every rank creates every group
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    timeout = timedelta(seconds=30)
+    if rank < 2:
+        fully_shard(model, mesh=DeviceMesh.from_group(learners, "cpu"))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().add_(1.0 + rank)
+        group = SyncGroup(sync if rank == 0 else None, 0 if rank == 0 else -1, 2, torch.device("cpu"), timeout)
+        WeightSender(model, group, bucket_mb=0.01).send(5)
+        state = dict(iter_full_state(model))
+    else:
+        receiver = WeightReceiver(SyncGroup(sync, 1, 2, torch.device("cpu"), timeout), model=model)
+        receiver.receive()
+        state = {canonical_name(n): p.detach() for n, p in model.named_parameters()}
+    if rank != 1:
+        torch.save(state, Path(out, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_sync_group_as_a_subgroup_of_a_larger_world(tmp_path: Path) -> None:
+    mp.start_processes(_world_main, args=(free_port(), str(tmp_path)), nprocs=3, start_method="spawn")
+    sent, got = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank2.pt")
+    assert set(sent) == set(got) and all(torch.equal(sent[n], got[n]) for n in sent)
 
 
 # -- dead and stalled peers -------------------------------------------------------------------------------------

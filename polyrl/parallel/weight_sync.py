@@ -1,31 +1,25 @@
 """Weight sync from data-parallel learner ranks to engine processes that are not learner ranks.
 
-The engines (disaggregated sampling processes, Ray rollout workers) and learner rank 0 form one process group of
-their own (gloo on CPU, NCCL on GPU), separate from the learners' training group. Every sync:
+Learner rank 0 and the engines (disaggregated sampling processes, Ray rollout workers) form a process group of
+their own (gloo on CPU, NCCL on GPU), apart from the learners' training group. Each sync: rank 0 broadcasts a
+header (version; all parameters or adapters only; each bucket's names, dtypes, shapes, offsets); then for each
+bucket of at most ``bucket_mb`` MB every learner rank calls ``full_tensor()`` on its DTensor parameters (FSDP2
+shards: an all-gather among the learners), rank 0 packs them into one byte buffer and broadcasts it (one
+collective per bucket, the next bucket gathered while one is on the wire); each engine copies the tensors into
+its model by name and calls ``engine.sync()``; last, an all-reduce acknowledges: an engine that could not apply
+the sync (a name it lacks, a parameter not sent, such as a LoRA adapter) makes both sides raise, with its reason.
 
-1. learner rank 0 broadcasts a header: version, mode (all parameters or adapters only) and each bucket's layout
-   (name, dtype, shape, byte offset);
-2. for each bucket of at most ``bucket_mb`` MB, every learner rank calls ``full_tensor()`` on the bucket's
-   DTensor parameters (FSDP2 shards: an all-gather among the learners, in the same order on every rank); rank 0
-   packs the full tensors into one byte buffer and broadcasts it to the engines (one collective per bucket);
-   the next bucket is gathered while the previous one is on the wire;
-3. each engine copies the bucket's tensors into its model's parameters by name, calls ``engine.sync()`` at the
-   end, and all sync members agree on an acknowledgement (an all-reduce): learner rank 0 learns that every
-   engine applied this version, and an engine that could not (a name it lacks, a parameter it did not get,
-   such as a LoRA adapter) makes both sides raise instead of sampling from stale weights.
+No process holds more than two buckets of full tensors besides its own model (a tensor larger than a bucket
+travels alone), so no process needs a full copy of the policy. Every collective has the group's timeout: a dead
+or stalled peer is an error on the other side, not a hang; the group is then unusable (join a new one).
 
-No process ever holds more than two buckets of full tensors besides its own model, so the learner needs no
-full copy of the policy. Every collective runs under the group's timeout: a dead or stalled peer raises an
-error on the other side within that time instead of hanging. After such an error the group is unusable;
-close it and join a new one.
-
-A runtime calls, on every learner rank (the same ``version`` everywhere)::
+On every learner rank (the same ``version`` everywhere; ``policy`` the model itself, not a wrapper around it)::
 
     group = join_sync_group("learner", rank, num_engines, host, port)   # rank 0 hosts the store
     sender = WeightSender(policy, group, bucket_mb=256)
     metrics = sender.send(version)                                       # after each update
 
-and on each engine process (``index`` in 0..E-1)::
+and on engine ``index`` (0..E-1)::
 
     group = join_sync_group("engine", index, num_engines, host, port)
     receiver = WeightReceiver(group, engine)                             # engine.policy gets the weights
@@ -55,6 +49,8 @@ _FAILED = -2  # an engine's acknowledgement when it could not apply a sync
 # torch.compile) or a prefix (DDP); FSDP2 keeps the plain names.
 _WRAPPER_SEGMENTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 _PEFT_PREFIX = "base_model.model."
+Entry = tuple[str, str, list[int], int, int]
+"""One tensor of a bucket: (name, dtype, shape, byte offset, bytes); shapes are whole (DTensor) shapes."""
 
 
 class SupportsSync(Protocol):
@@ -78,10 +74,6 @@ def plain_name(name: str) -> str:
     if name.startswith(_PEFT_PREFIX):
         name = name[len(_PEFT_PREFIX) :]
     return name.replace(".base_layer.", ".")
-
-
-def is_adapter_name(name: str) -> bool:
-    return ".lora_" in name
 
 
 @dataclass
@@ -130,7 +122,7 @@ class SyncGroup:
         return [bytes(t.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for t in out]
 
     def close(self) -> None:
-        if self.pg is not None and hasattr(self.pg, "shutdown"):
+        if self.store is not None and hasattr(self.pg, "shutdown"):  # a group of torch's world is torch's to end
             self.pg.shutdown()
         self.pg, self.store = None, None
 
@@ -178,16 +170,12 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def plan_buckets(
     items: list[tuple[str, torch.Tensor]], bucket_bytes: int, wire_dtype: torch.dtype | None = None
-) -> list[list[tuple[str, str, list[int], int, int]]]:
+) -> list[list[Entry]]:
     """Group ``(name, tensor)`` into buckets of at most ``bucket_bytes`` (a larger tensor gets a bucket of its
-    own), in order. Each entry is ``(name, dtype, shape, offset, nbytes)``; shapes are global (DTensor)."""
-    buckets: list[list[tuple[str, str, list[int], int, int]]] = [[]]
+    own), in order."""
+    buckets: list[list[Entry]] = [[]]
     used = 0
     for name, t in items:
         dtype = wire_dtype if wire_dtype is not None and t.is_floating_point() else t.dtype
@@ -195,12 +183,12 @@ def plan_buckets(
         if buckets[-1] and used + nbytes > bucket_bytes:
             buckets.append([])
             used = 0
-        buckets[-1].append((name, _dtype_name(dtype), list(t.shape), used, nbytes))
+        buckets[-1].append((name, str(dtype).removeprefix("torch."), list(t.shape), used, nbytes))
         used = _aligned(used + nbytes)
     return [b for b in buckets if b]
 
 
-def _bucket_size(bucket: list[tuple[str, str, list[int], int, int]]) -> int:
+def _bucket_size(bucket: list[Entry]) -> int:
     return _aligned(bucket[-1][3] + bucket[-1][4])
 
 
@@ -239,8 +227,7 @@ class WeightSender:
         return items
 
     def _buffer(self, slot: int, nbytes: int) -> torch.Tensor:
-        while len(self._buffers) <= slot:
-            self._buffers.append(torch.empty(0, dtype=torch.uint8, device=self.group.device))
+        self._buffers += [torch.empty(0, dtype=torch.uint8)] * (slot + 1 - len(self._buffers))
         if self._buffers[slot].numel() < nbytes:
             self._buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.group.device)
         return self._buffers[slot][:nbytes]
@@ -270,8 +257,7 @@ class WeightSender:
             buf = self._buffer(slot, _bucket_size(bucket)) if g.member else None
             tg = time.perf_counter()
             for name, dtype, shape, offset, nbytes in bucket:
-                p = params[name]
-                full = p.full_tensor() if isinstance(p, DTensor) else p  # collective: all learners, same order
+                full = full_tensor(params[name])  # a collective: every learner rank, in the same order
                 if buf is not None:
                     _view(buf, dtype, shape, offset, nbytes).copy_(full)
                 del full
@@ -350,7 +336,7 @@ class WeightReceiver:
                 if p is not None:
                     covered.add(id(p))
             targets.append(row)
-        expected = [n for n in self._names if mode == "all" or is_adapter_name(n)]
+        expected = [n for n in self._names if mode == "all" or ".lora_" in n]
         missed = sorted(n for n in expected if id(self._by_name[n]) not in covered)
         problems += [f"{n!r} was not sent ({mode} sync)" for n in missed]
         if mode == "adapter" and not expected:
@@ -376,6 +362,8 @@ class WeightReceiver:
         header = json.loads(bytes(raw.cpu().tolist()))
         buckets = header["buckets"]
         targets, problems = self._resolve(header["mode"], buckets)
+        if problems:  # the model keeps its previous weights rather than a mix; the buckets are still drained
+            targets = [[None] * len(b) for b in buckets]
         # One bucket on the wire while the one before it is copied into the model.
         inflight = self._recv(0, _bucket_size(buckets[0])) if buckets else None
         for k, bucket in enumerate(buckets):
@@ -406,8 +394,19 @@ class WeightReceiver:
                 "sync/apply_s": seconds - copy_s, "sync/version": float(version)}
 
 
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter: an all-gather among the learners for a DTensor, else itself."""
+    if not isinstance(p, DTensor):
+        return p.detach()
+    mesh = p.device_mesh
+    if p.device.type != mesh.device_type:  # FSDP2's CPU offload keeps the shards in host memory
+        p = DTensor.from_local(p.to_local().to(mesh.device_type), mesh, p.placements, shape=p.shape,
+                               stride=p.stride())
+    return p.full_tensor().detach()
+
+
 def iter_full_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(canonical name, full tensor)`` of every parameter, gathering DTensors (a collective on every learner
-    rank): what the engines should hold after a full sync; used by tests and the benchmark."""
+    """``(canonical name, full tensor)`` of every parameter (a collective on every learner rank): what the
+    engines hold after a full sync; used by tests and the benchmark."""
     for n, p in model.named_parameters():
-        yield canonical_name(n), (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        yield canonical_name(n), full_tensor(p)
