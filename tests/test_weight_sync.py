@@ -85,7 +85,8 @@ def _learner(rank: int, ports: dict, out: Path) -> None:
     for kind in ("full", "lora"):
         model = _model(kind == "lora")
         _shard_and_step(model)
-        sender = WeightSender(model, group, bucket_mb=0.004)  # 4 kB: many buckets, two in flight
+        # 4 kB buckets: many, two in flight; shards sent to rank 0 (full) or all-gathered by full_tensor (lora).
+        sender = WeightSender(model, group, bucket_mb=0.004, point_to_point=kind == "full")
         metrics = sender.send(version=1 if kind == "full" else 2)
         sent = {n: t.clone() for n, t in iter_full_state(model)}
         trainable = {canonical_name(n) for n, p in model.named_parameters() if p.requires_grad}
@@ -165,13 +166,14 @@ def _world_main(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
     learners, sync = dist.new_group([0, 1]), dist.new_group([0, 2])  # every rank creates every group
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+    # Uneven shards: 63 rows split 32 + 31, one row split 1 + 0.
+    model = torch.nn.Sequential(torch.nn.Linear(64, 63), torch.nn.Linear(63, 1))
     timeout = timedelta(seconds=30)
     if rank < 2:
         fully_shard(model, mesh=DeviceMesh.from_group(learners, "cpu"))
         with torch.no_grad():
             for p in model.parameters():
-                p.to_local().add_(1.0 + rank)
+                p.to_local().add_(1.0 + rank)  # each rank's shard changed differently
         group = SyncGroup(sync if rank == 0 else None, 0 if rank == 0 else -1, 2, torch.device("cpu"), timeout)
         WeightSender(model, group, bucket_mb=0.01).send(5)
         state = dict(iter_full_state(model))

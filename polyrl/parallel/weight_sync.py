@@ -3,11 +3,12 @@
 Learner rank 0 and the engines (disaggregated sampling processes, Ray rollout workers) form a process group of
 their own (gloo on CPU, NCCL on GPU), apart from the learners' training group. Each sync: rank 0 broadcasts a
 header (version; all parameters or adapters only; each bucket's names, dtypes, shapes, offsets); then for each
-bucket of at most ``bucket_mb`` MB every learner rank calls ``full_tensor()`` on its DTensor parameters (FSDP2
-shards: an all-gather among the learners), rank 0 packs them into one byte buffer and broadcasts it (one
-collective per bucket, the next bucket gathered while one is on the wire); each engine copies the tensors into
-its model by name and calls ``engine.sync()``; last, an all-reduce acknowledges: an engine that could not apply
-the sync (a name it lacks, a parameter not sent, such as a LoRA adapter) makes both sides raise, with its reason.
+bucket of at most ``bucket_mb`` MB the learner ranks make its whole tensors on rank 0 (FSDP2's shards sent to
+rank 0 into the bucket's buffer, ``shard_gather.py``; or ``full_tensor()``, an all-gather) and rank 0 broadcasts
+the buffer (one collective per bucket, the next bucket gathered while one is on the wire); each engine copies
+the tensors into its model by name and calls ``engine.sync()``; last, an all-reduce acknowledges: an engine that
+could not apply the sync (a name it lacks, a parameter not sent, such as a LoRA adapter) makes both sides
+raise, with its reason.
 
 No process holds more than two buckets of full tensors besides its own model (a tensor larger than a bucket
 travels alone), so no process needs a full copy of the policy. Every collective has the group's timeout: a dead
@@ -39,7 +40,8 @@ from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from polyrl.parallel.shard_gather import BucketGather, full_tensor
 
 MB = 1_000_000
 _ALIGN = 64  # byte offsets of tensors in a bucket, so that a slice can be viewed as any dtype
@@ -201,6 +203,7 @@ class WeightSender:
 
     ``adapter_only``: send only the trainable parameters (LoRA adapters); None means yes for a peft model.
     ``wire_dtype`` (e.g. bfloat16) casts floating-point tensors for the wire; None sends them exactly.
+    ``point_to_point``: shards go to rank 0 by sends (``shard_gather.BucketGather``); False: ``full_tensor()``.
     """
 
     def __init__(
@@ -210,8 +213,9 @@ class WeightSender:
         bucket_mb: float = 256.0,
         adapter_only: bool | None = None,
         wire_dtype: torch.dtype | None = None,
+        point_to_point: bool = True,
     ) -> None:
-        self.model, self.group = model, group
+        self.model, self.group, self.point_to_point = model, group, point_to_point
         self.bucket_bytes = int(bucket_mb * MB)
         self.adapter_only = hasattr(model, "peft_config") if adapter_only is None else adapter_only
         self.wire_dtype = wire_dtype
@@ -256,11 +260,11 @@ class WeightSender:
                 pending[slot].wait()
             buf = self._buffer(slot, _bucket_size(bucket)) if g.member else None
             tg = time.perf_counter()
-            for name, dtype, shape, offset, nbytes in bucket:
-                full = full_tensor(params[name])  # a collective: every learner rank, in the same order
-                if buf is not None:
-                    _view(buf, dtype, shape, offset, nbytes).copy_(full)
-                del full
+            gather = BucketGather(self.point_to_point)  # collectives: every learner rank, in the same order
+            for i, (name, dtype, shape, offset, nbytes) in enumerate(bucket):
+                dest = _view(buf, dtype, shape, offset, nbytes) if buf is not None else None
+                gather.add(params[name], dest, getattr(torch, dtype), tag=i)
+            gather.wait()
             gather_s += time.perf_counter() - tg
             if buf is not None:
                 pending[slot] = g.broadcast(buf)
@@ -392,17 +396,6 @@ class WeightReceiver:
         nbytes = sum(e[4] for b in buckets for e in b)
         return {"sync/time_s": seconds, "sync/bytes": float(nbytes), "sync/mb_per_s": nbytes / MB / seconds,
                 "sync/apply_s": seconds - copy_s, "sync/version": float(version)}
-
-
-def full_tensor(p: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a parameter: an all-gather among the learners for a DTensor, else itself."""
-    if not isinstance(p, DTensor):
-        return p.detach()
-    mesh = p.device_mesh
-    if p.device.type != mesh.device_type:  # FSDP2's CPU offload keeps the shards in host memory
-        p = DTensor.from_local(p.to_local().to(mesh.device_type), mesh, p.placements, shape=p.shape,
-                               stride=p.stride())
-    return p.full_tensor().detach()
 
 
 def iter_full_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
