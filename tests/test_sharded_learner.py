@@ -146,6 +146,7 @@ def test_more_ranks_than_gpus_is_a_one_line_error(monkeypatch):
 @pytest.mark.parametrize(("override", "key"), [
     (["runtime.kind=async"], "learner.world_size"),
     (["runtime.kind=ray", "runtime.num_workers=2"], "runtime.num_workers"),
+    (["stages=[{name: a, kind: rl, steps: 1}]"], "learner.world_size: a pipeline"),
 ])
 def test_runtimes_that_do_not_combine_with_ranks_are_config_errors(override, key):
     with pytest.raises(ConfigError, match=key):

@@ -148,6 +148,9 @@ class Config(_Strict):
         if self.learner.world_size > 1 and self.runtime.kind == "async":
             raise ValueError("learner.world_size: the async runtime has one learner process; use runtime.kind "
                              "local (ranks on this machine) or ray (ranks on a cluster)")
+        if self.learner.world_size > 1 and self.stages:
+            raise ValueError("learner.world_size: a pipeline's stages hand each other HF checkpoints, which several "
+                             "ranks do not write yet; run stages with learner.world_size: 1")
         if self.learner.world_size > 1 and (self.runtime.num_workers > 1 or self.runtime.eta > 0):
             raise ValueError("runtime.num_workers / runtime.eta: with learner.world_size > 1 each rank rolls out "
                              "its share of every step itself, in step with the update; leave them at 1 and 0")
