@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from polyrl.config import AlgorithmConfig, ConfigError, LoraConfig, OptimConfig, load_config
+from polyrl.config import AlgorithmConfig, ConfigError, LearnerConfig, LoraConfig, OptimConfig, load_config
 from polyrl.models.loading import load_model
 from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import (
@@ -51,7 +51,8 @@ def _trajectories(n_groups: int = 3, group: int = 4, seed: int = 0) -> list[Traj
     return out
 
 
-def _update(agg: str, lora: bool, n_groups: int = 3, group: int = 4) -> tuple[dict, dict[str, torch.Tensor]]:
+def _update(agg: str, lora: bool, n_groups: int = 3, group: int = 4,
+            sharding: LearnerConfig | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """One update of a tiny float32 policy; returns the metrics and the whole weights after it."""
     torch.manual_seed(0)  # LoRA's initial adapters come from the global generator
     model = load_model("tiny-random", LoraConfig(r=4, alpha=8) if lora else None, seed=3)
@@ -61,7 +62,8 @@ def _update(agg: str, lora: bool, n_groups: int = 3, group: int = 4) -> tuple[di
                 p.normal_(0.0, 0.02)
     full = copy.deepcopy(model)
     algo = AlgorithmConfig(loss_agg=agg, kl_coef=0.05, clip_high=0.28)
-    learner = Learner(model, algo, OptimConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.05), 1.0, False, pad_id=2)
+    learner = Learner(model, algo, OptimConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.05), 1.0, False, pad_id=2,
+                      sharding=sharding)
     metrics = learner.update(_trajectories(n_groups, group))
     gather_into(model, full)
     return metrics, {k: v.detach().clone() for k, v in full.state_dict().items()}
@@ -70,6 +72,7 @@ def _update(agg: str, lora: bool, n_groups: int = 3, group: int = 4) -> tuple[di
 def _on_rank(path: str) -> None:
     results = {case: _update(*case) for case in CASES}
     results["one row"] = _update("token-mean", False, n_groups=1, group=1)
+    results["checkpointed"] = _update("token-mean", False, sharding=LearnerConfig(activation_checkpointing=True))
     if current().is_main:
         torch.save(results, path)
 
@@ -96,6 +99,14 @@ def test_two_ranks_take_the_one_process_update(two_ranks, agg, lora):
         assert rel <= 1e-5, (name, rel)
         moved += "lora_" in name or not lora
     assert moved > 0
+
+
+def test_activation_checkpointing_recomputes_the_same_update(two_ranks):
+    one_metrics, one_weights = _update("token-mean", False)
+    two_metrics, two_weights = two_ranks["checkpointed"]
+    assert two_metrics["grad_norm"] == pytest.approx(one_metrics["grad_norm"], rel=1e-5)
+    for name, w in one_weights.items():
+        assert float((two_weights[name] - w).norm() / w.norm()) <= 1e-5, name
 
 
 def test_a_rank_without_rows_joins_the_passes_and_adds_nothing(two_ranks):
