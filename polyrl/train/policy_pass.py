@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from polyrl.algorithms.gae import ValueHead
-from polyrl.models.forward import head_logits
+from polyrl.models.forward import autocast_context, head_logits
 from polyrl.train.batch import Batch
 from polyrl.train.forward_pass import response_hidden
 from polyrl.train.logprobs import HEAD_CHUNK, chunked_logprobs, logprobs_from_logits, token_logprobs
@@ -51,7 +51,10 @@ class PolicyPass(torch.nn.Module):
                 logp, entropy = token_logprobs(self.policy, batch, self.temperature, self.bf16,
                                                share_prefix=self.share_prefix)
             return logp, entropy, None, None
-        hidden = response_hidden(self.policy, batch, self.bf16, self.share_prefix)
+        # One autocast region around the body's passes (a shared prompt, then response buckets): each weight is
+        # cast to bf16 once and that copy serves every pass and their backward, instead of one copy per pass.
+        with autocast_context(self.bf16, batch.input_ids.device.type):
+            hidden = response_hidden(self.policy, batch, self.bf16, self.share_prefix)
         values = None
         if self.value_head is not None:  # the critic reads the head's (detached) float32 input
             values = self.value_head(hidden.detach().float())
