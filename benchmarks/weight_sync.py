@@ -16,7 +16,9 @@ weights (hidden 2048, 16 layers, 32 heads, 8 key/value heads, MLP 8192, vocabula
 built on the meta device so each learner materialises only its shard. After the timed syncs every parameter's
 float64 sum is compared between the learners' gathered weights and the engine's.
 
-    python benchmarks/weight_sync.py      # ~5 min on 2 cores; writes benchmarks/results/weight_sync.json
+The configurations alternate (each round syncs once with each), so a machine whose speed drifts moves all alike.
+
+    python benchmarks/weight_sync.py      # ~4 min on 2 cores; writes benchmarks/results/weight_sync.json
 """
 
 from __future__ import annotations
@@ -148,15 +150,16 @@ def _learner(rank: int, args: dict, out: Path) -> None:
             raw[mb] = _timed(lambda b=buf: group.broadcast(b).wait(), args["repeats"])
         res["raw_broadcast"] = raw
     version = 0
-    for mb, wire, p2p in args["configs"]:
-        sender = WeightSender(model, group, bucket_mb=mb, wire_dtype=getattr(torch, wire) if wire else None,
-                              point_to_point=p2p)
-        runs = []
-        for _ in range(args["repeats"] + 1):  # the first is a warm-up
-            runs.append(sender.send(version))
+    senders = [WeightSender(model, group, bucket_mb=mb, wire_dtype=getattr(torch, wire) if wire else None,
+                            point_to_point=p2p) for mb, wire, p2p in args["configs"]]
+    runs: list[list[dict]] = [[] for _ in senders]
+    for _ in range(args["repeats"] + 1):  # the configurations alternate, so a machine's drift touches all; the
+        for k, sender in enumerate(senders):  # first round is a warm-up
+            runs[k].append(sender.send(version))
             version += 1
+    for (mb, wire, p2p), r in zip(args["configs"], runs, strict=True):
         res["bucketed"].append({"bucket_mb": mb, "wire_dtype": wire or "float32",
-                                "gather": "point_to_point" if p2p else "full_tensor", "runs": runs[1:]})
+                                "gather": "point_to_point" if p2p else "full_tensor", "runs": r[1:]})
     res["rss_after_bucketed_gb"] = _peak_rss_gb()
     _log(f"learner{rank}", "bucketed syncs done")
     res["sums"] = _param_sums(iter_full_state(model))
@@ -184,8 +187,8 @@ def _engine(args: dict, out: Path) -> None:
         buf = torch.zeros(int(mb * MB), dtype=torch.uint8)
         _timed(lambda b=buf: group.broadcast(b).wait(), args["repeats"])
     receiver = WeightReceiver(group, model=model)
-    for _ in args["configs"]:
-        res["receives"].append([receiver.receive() for _ in range(args["repeats"] + 1)][1:])
+    rounds = [[receiver.receive() for _ in args["configs"]] for _ in range(args["repeats"] + 1)]
+    res["receives"] = [[r[k] for r in rounds[1:]] for k in range(len(args["configs"]))]
     res["rss_after_bucketed_gb"] = _peak_rss_gb()
     res["sums"] = _param_sums((canonical_name(n), p.detach()) for n, p in model.named_parameters())
     if args["pickled"]:
