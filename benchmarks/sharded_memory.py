@@ -195,7 +195,7 @@ def _state_bytes(model, learner) -> dict:
     return {k: v / GB for k, v in b.items()}
 
 
-def _rank(layers: int, updates: int, out_dir: str, budget_gb: float) -> None:
+def _rank(layers: int, updates: int, out_dir: str, budget_gb: float, checkpointing: bool = False) -> None:
     """One rank's measurement; writes ``rank-<r>.json`` in ``out_dir``."""
     from polyrl.parallel.group import barrier, current, join_group, leave_group
 
@@ -206,6 +206,7 @@ def _rank(layers: int, updates: int, out_dir: str, budget_gb: float) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     if world > 1:
         join_group("gloo", 1800.0, torch.device("cpu"))
+    from polyrl.config import LearnerConfig
     from polyrl.train.learner import Learner
 
     ranks = current()
@@ -224,7 +225,8 @@ def _rank(layers: int, updates: int, out_dir: str, budget_gb: float) -> None:
         reset_peak()
         t0 = time.perf_counter()
         algo, optim = learner_configs()
-        learner = Learner(model, algo, optim, 1.0, True, pad_id=2, total_steps=90)
+        sharding = LearnerConfig(activation_checkpointing=checkpointing)
+        learner = Learner(model, algo, optim, 1.0, True, pad_id=2, total_steps=90, sharding=sharding)
         gc.collect()
         phases["build_learner"] = {"seconds": time.perf_counter() - t0, "peak_rss_gb": peak(), "rss_after_gb": rss(),
                                    "held": _state_bytes(model, learner)}
@@ -328,12 +330,16 @@ def wait_for_memory(needed: float, minutes: float) -> float:
     return available
 
 
-def run_config(layers: int, world: int, updates: int, measured: dict, wait_minutes: float) -> dict:
+def run_config(layers: int, world: int, updates: int, measured: dict, wait_minutes: float,
+               checkpointing: bool = False) -> dict:
     from polyrl.parallel.group import RankFailedError
     from polyrl.parallel.launch import launch_ranks
 
     available = mem_available()
     predicted, how = predict_total(layers, world, measured)
+    if checkpointing:  # the fitted line is of runs that kept activations: bound by the sharded state instead
+        predicted = 4 * parameter_bytes(layers) / GB + world * 1.0
+        how = "activation checkpointing: float32 weights, gradients and AdamW over the ranks, plus 1 GB per rank"
     weights, embedding = parameter_bytes(layers) / GB, EMBEDDING_BYTES / GB
     entry: dict = {
         "layers": layers, "world_size": world, "mem_available_before_gb": available,
@@ -342,7 +348,8 @@ def run_config(layers: int, world: int, updates: int, measured: dict, wait_minut
             "parameters": weights / world, "gradients": weights / world, "optimizer_state": 2 * weights / world,
             "total": 4 * weights / world},
         "bf16_decoder_weights_gb": (weights - embedding) / 2, "bf16_embedding_gb": embedding / 2,
-        "predicted_total_peak_gb": predicted, "predicted_per_rank_peak_gb": predicted / world, "prediction": how}
+        "predicted_total_peak_gb": predicted, "predicted_per_rank_peak_gb": predicted / world, "prediction": how,
+        "activation_checkpointing": checkpointing}
     total = psutil.virtual_memory().total / GB
     if predicted > total - RESERVE_GB - IDLE_USE_GB:
         entry.update(ok=False, ran=False, reason=too_big(predicted, total))
@@ -358,7 +365,7 @@ def run_config(layers: int, world: int, updates: int, measured: dict, wait_minut
     with tempfile.TemporaryDirectory() as out, TotalRss() as sampler:
         t0 = time.perf_counter()
         try:
-            launch_ranks(world, torch.device("cpu"), _rank, layers, updates, out, budget)
+            launch_ranks(world, torch.device("cpu"), _rank, layers, updates, out, budget, checkpointing)
             failure = None
         except RankFailedError as exc:
             failure = str(exc)
@@ -430,6 +437,8 @@ def main() -> None:
     ap.add_argument("--wait-minutes", type=float, default=15,
                     help="how long to wait for other jobs to free memory before a configuration that would fit")
     ap.add_argument("--findings-only", action="store_true", help="recompute the findings of --out, run nothing")
+    ap.add_argument("--activation-checkpointing", action="store_true",
+                    help="learner.activation_checkpointing (acts at world size > 1 only)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sharded_memory.json")
     args = ap.parse_args()
     if args.findings_only:
@@ -465,7 +474,7 @@ def main() -> None:
     for layers in sorted(args.layers):
         for world in args.worlds:
             print(f"layers {layers}, world size {world} ...", flush=True)
-            entry = run_config(layers, world, args.updates, measured, args.wait_minutes)
+            entry = run_config(layers, world, args.updates, measured, args.wait_minutes, args.activation_checkpointing)
             measured[(layers, world)] = entry
             result["runs"].append(entry)
             print(json.dumps({k: v for k, v in entry.items() if k != "ranks"}, indent=1), flush=True)
