@@ -23,7 +23,6 @@ import copy
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import warnings
@@ -44,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from polyrl.train import faults
-from polyrl.train.checkpoint import MANIFEST, _fsync_dir, _sha256
+from polyrl.train.checkpoint import MANIFEST, _fsync_dir, _sha256, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
@@ -99,20 +98,6 @@ def find_policy(model: torch.nn.Module) -> tuple[str, torch.nn.Module, Any | Non
         if isinstance(module, PreTrainedModel):
             return (f"{name}." if name else ""), module, None
     return None
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -196,7 +181,7 @@ def save_sharded(
     state = _state(model, optimizer if with_optimizer else None)
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=tmp / DCP_DIR)
-    torch.save(_rng_state(), tmp / RNG_DIR / f"rank-{rank}.pt")
+    torch.save(rng_state(), tmp / RNG_DIR / f"rank-{rank}.pt")
     if rank == 0:
         _write_rank0_files(tmp, policy, tokenizer, extra, world, with_optimizer)
     _barrier()  # every rank's files exist
@@ -265,7 +250,7 @@ def load_sharded(
     rank, _ = _rank_world()
     rng = path / RNG_DIR / f"rank-{rank}.pt"
     if rng.is_file():
-        _set_rng_state(torch.load(rng, weights_only=False))
+        set_rng_state(torch.load(rng, weights_only=False))
     else:
         log.info("%s: no RNG state for rank %d (saved at world size %s); keeping this rank's", path, rank,
                  meta.get("world_size"))
