@@ -22,8 +22,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from doc_block import replace_block
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "world_size.json"
+DOC = ROOT / "docs" / "scaling.md"
+START, END = "<!-- world_size.py: start -->", "<!-- world_size.py: end -->"
 SETUPS = {
     "1 rank": [],
     "2 ranks, local": ["learner.world_size=2"],
@@ -40,10 +44,13 @@ WRAPPER = (
 
 
 def cpu_model() -> str:
+    """The CPU's name with its family and model numbers (they tell AMD's Zen generations apart)."""
+    fields: dict[str, str] = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor()
+    return f"{name} (CPU family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
 
 
 def run(name: str, extra: list[str], steps: int, out: Path) -> dict:
@@ -79,11 +86,36 @@ def run(name: str, extra: list[str], steps: int, out: Path) -> dict:
     }
 
 
+def table(result: dict) -> str:
+    """The doc's table of ``result`` (world_size.json)."""
+    lines = [
+        f"`python benchmarks/world_size.py --steps {result['steps']}` on {result['machine']}, {result['date']}:",
+        "",
+        "| setup | held-out before | after | training | median step | median update | median sync | peak RSS, "
+        "largest process |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["runs"]:
+        if "error" in r:
+            lines.append(f"| {r['setup']} | failed: {r['error']} | | | | | | |")
+            continue
+        peak = f"{r['peak_rss_gb_largest_process']} GB" if r.get("peak_rss_gb_largest_process") else "not measured"
+        lines.append(
+            f"| {r['setup']} | {100 * r['accuracy_before']:.1f} % | **{100 * r['accuracy_after']:.1f} %** | "
+            f"{r['train_time_min']} min | {r['median_step_s']} s | {r['median_update_s']} s | "
+            f"{r['median_sync_s']} s | {peak} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=90)
     p.add_argument("--setups", nargs="*", default=list(SETUPS), choices=list(SETUPS))
+    p.add_argument("--table-only", action="store_true", help="rewrite the doc's table from the results; run nothing")
     args = p.parse_args()
+    if args.table_only:
+        replace_block(DOC, START, END, table(json.loads(RESULTS.read_text())), "The quickstart at two ranks")
+        return
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, name in enumerate(args.setups):
@@ -94,7 +126,8 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"), "machine": f"{cpu_model()}, {os.cpu_count()} cores",
         "python": platform.python_version(), "steps": args.steps, "runs": results,
     }, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    replace_block(DOC, START, END, table(json.loads(RESULTS.read_text())), "The quickstart at two ranks")
+    print(f"wrote {RESULTS} and its table in {DOC}")
 
 
 if __name__ == "__main__":
