@@ -437,10 +437,14 @@ def main() -> None:
     ap.add_argument("--wait-minutes", type=float, default=15,
                     help="how long to wait for other jobs to free memory before a configuration that would fit")
     ap.add_argument("--findings-only", action="store_true", help="recompute the findings of --out, run nothing")
+    ap.add_argument("--reserve-gb", type=float, default=RESERVE_GB,
+                    help="memory kept free for other jobs when sizing and limiting the ranks")
     ap.add_argument("--activation-checkpointing", action="store_true",
                     help="learner.activation_checkpointing (acts at world size > 1 only)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sharded_memory.json")
     args = ap.parse_args()
+    global RESERVE_GB
+    RESERVE_GB = args.reserve_gb
     if args.findings_only:
         result = json.loads(args.out.read_text())
         for r in result["runs"]:
