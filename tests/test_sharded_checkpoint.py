@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 from polyrl.models.loading import tiny_random_model
 from polyrl.parallel.checkpoint import is_sharded, load_sharded, read_model_tensors, save_sharded
 from polyrl.parallel.export import export_hf
+from polyrl.parallel.launch import free_port
 from polyrl.train import faults
 from polyrl.train.checkpoint import latest_checkpoint, remove_partial_saves, verify_checkpoint
 
@@ -164,12 +164,6 @@ def _worker(rank: int, port: int, root: str) -> None:
     (base / f"survived-{rank}").write_text("the save was meant to be killed")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(root, the spawn's exception): a one-process save, then the two ranks' scenario."""
@@ -180,7 +174,7 @@ def runs(tmp_path_factory):
     save_sharded(root / WS1, model, opt, EXTRA)
     torch.save(_full_state(model, opt), root / "ws1_full.pt")
     try:
-        mp.spawn(_worker, args=(_free_port(), str(root)), nprocs=2, join=True)
+        mp.spawn(_worker, args=(free_port(), str(root)), nprocs=2, join=True)
         error = None
     except ProcessException as exc:
         error = exc

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from polyrl.engines import llama_decode, native
 from polyrl.engines.kv_cache import preallocate
 from polyrl.models.device import module_device, to_device, to_host_lists
-from polyrl.models.forward import decoder_forward
+from polyrl.models.forward import decoder_forward, full_attention_only
 
 
 @dataclass
@@ -128,17 +128,6 @@ def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
     for b in model.buffers():
         memo[id(b)] = b.to(torch.bfloat16) if b.is_floating_point() else b.clone()
     return copy.deepcopy(model, memo).eval().requires_grad_(False)
-
-
-def full_attention_only(model: torch.nn.Module) -> bool:
-    """True when no layer of ``model`` uses windowed (local) attention."""
-    cfg = model.config
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        return False
-    if getattr(cfg, "attention_chunk_size", None):
-        return False
-    return set(getattr(cfg, "layer_types", None) or ["full_attention"]) == {"full_attention"}
 
 
 class HFEngine:

@@ -54,6 +54,17 @@ def use_float32_attention(model: PreTrainedModel) -> bool:
     return True
 
 
+def full_attention_only(model: PreTrainedModel) -> bool:
+    """True when no layer of ``model`` uses windowed (local) attention."""
+    cfg = model.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return False
+    if getattr(cfg, "attention_chunk_size", None):
+        return False
+    return set(getattr(cfg, "layer_types", None) or ["full_attention"]) == {"full_attention"}
+
+
 def autocast_context(bf16: bool, device_type: str = "cpu"):
     """bf16 autocast (or nothing) on ``device_type``: the device the computation's tensors are on."""
     return bf16_autocast(device_type, bf16)

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.tensor import DTensor
 
 from polyrl.parallel.group import current
+from polyrl.parallel.shard_gather import full_tensor
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -62,7 +63,7 @@ def gather_into(sharded: torch.nn.Module, full: torch.nn.Module, trainable_only:
     for name, param in sharded.named_parameters():
         if trainable_only and not param.requires_grad:
             continue
-        value = param.full_tensor() if isinstance(param, DTensor) else param
+        value = full_tensor(param)
         targets[name].copy_(value)
         copied += value.numel() * value.element_size()
     return copied

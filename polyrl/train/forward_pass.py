@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from polyrl.models.device import to_device
-from polyrl.models.forward import FLOAT32_SDPA, decoder_forward
+from polyrl.models.forward import FLOAT32_SDPA, decoder_forward, full_attention_only
 from polyrl.train.batch import Batch
 
 BUCKET_OVERHEAD = 32
@@ -130,13 +130,9 @@ def _bucketed(
 
 def _packing_applies(model: PreTrainedModel) -> bool:
     """Whether a custom attention mask computes ``model`` exactly: SDPA attention (which takes the boolean mask
-    as it is) and no sliding window (whose limit the packed mask would not carry)."""
-    cfg = model.config
-    if not PACKED_ATTENTION or getattr(cfg, "_attn_implementation", None) not in ("sdpa", FLOAT32_SDPA):
-        return False
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        return False
-    return "sliding_attention" not in (getattr(cfg, "layer_types", None) or ())
+    as it is) and no windowed attention (whose limit the packed mask would not carry)."""
+    attention = getattr(model.config, "_attn_implementation", None)
+    return bool(PACKED_ATTENTION) and attention in ("sdpa", FLOAT32_SDPA) and full_attention_only(model)
 
 
 def _packed(
