@@ -75,3 +75,134 @@ def test_on_fresh_samples_every_correction_leaves_ppo_unchanged():
         old, a, kept, _ = correct_off_policy(mode, prox, prox, adv, mask)
         loss, _ = ppo_clip_loss(logp, old, a, kept)
         assert torch.allclose(loss, plain), mode
+
+
+def test_mismatch_metrics_by_hand():
+    from polyrl.algorithms.mismatch import mismatch_metrics, mismatch_sums
+
+    learner = torch.tensor([[math.log(0.5), math.log(0.9), math.log(0.2)], [math.log(0.3), 0.0, 0.0]])
+    engine = torch.tensor([[math.log(0.4), math.log(0.9), math.log(0.4)], [math.log(0.3), 0.0, -5.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])  # the -5 token is masked and must not count
+    # ratios 1.25, 1, 0.5, 1: log-ratios log 1.25, 0, log 0.5, 0; beyond the 0.2 band: 1.25 and 0.5
+    sums = mismatch_sums(learner, engine, mask, band=0.2)
+    m = mismatch_metrics(sums)
+    assert math.isclose(m["mismatch/log_ratio"], (math.log(1.25) + math.log(0.5)) / 4, rel_tol=1e-5)
+    assert math.isclose(m["mismatch/abs_log_ratio/max"], math.log(2), rel_tol=1e-5)
+    assert m["mismatch/beyond_band_frac"] == 0.5
+    k3 = (0.25 - math.log(1.25)) + (-0.5 - math.log(0.5))
+    assert math.isclose(m["mismatch/kl"], k3 / 4, rel_tol=1e-5)
+    assert mismatch_metrics(mismatch_sums(learner, engine, torch.zeros(2, 3), 0.2)) == {}
+
+
+def test_mis_truncates_or_drops_the_sequence_ratio():
+    from polyrl.algorithms.mismatch import mis_weights
+
+    prox = torch.tensor([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0]])
+    # sequence log-ratios: 0.5 + 0.5 = 1 (ratio e = 2.72), -0.3 (0.74), and 0.2 + (masked 9.0) = 0.2 (1.22)
+    behaviour = torch.tensor([[-0.5, -0.5], [0.3, 0.0], [-0.2, -9.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    w = mis_weights(prox, behaviour, mask, cap=2.0)
+    assert torch.allclose(w.flatten(), torch.tensor([2.0, math.exp(-0.3), math.exp(0.2)]))
+    w = mis_weights(prox, behaviour, mask, cap=2.0, drop=True)
+    assert torch.allclose(w.flatten(), torch.tensor([0.0, math.exp(-0.3), math.exp(0.2)]))
+
+
+def test_icepop_keeps_ratios_inside_the_band_and_zeroes_the_rest():
+    from polyrl.algorithms.mismatch import icepop_weights
+
+    prox = torch.zeros(1, 4)
+    behaviour = torch.log(torch.tensor([[1 / 0.4, 1 / 0.5, 1 / 3.0, 1 / 6.0]]))  # ratios 0.4, 0.5, 3, 6
+    w = icepop_weights(prox, behaviour, torch.ones(1, 4), alpha=0.5, beta=5.0)
+    assert torch.allclose(w, torch.tensor([[0.0, 0.5, 3.0, 0.0]]))
+
+
+def test_geo_mask_keeps_sequences_whose_mean_log_ratio_is_in_band():
+    from polyrl.algorithms.mismatch import geometric_mean_mask
+
+    prox = torch.zeros(3, 2)
+    # mean log-ratios: (0.02 - 0.02)/2 = 0 -> kept; (0.03 + 0.01)/2 = 0.02 > log 1.01 -> masked;
+    # one counted token of -0.005 (the other masked) -> log 0.99 = -0.01005 <= -0.005 -> kept
+    behaviour = torch.tensor([[-0.02, 0.02], [-0.03, -0.01], [0.005, 5.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]])
+    keep = geometric_mean_mask(prox, behaviour, mask, low=0.99, high=1.01)
+    assert keep.flatten().tolist() == [1.0, 0.0, 1.0]
+
+
+def test_prob_mask_flags_big_probability_gaps_not_big_ratios():
+    from polyrl.algorithms.mismatch import probability_difference_mask
+
+    # 1e-4 vs 3e-4 (ratio 3, gap 2e-4) stays; 0.9 vs 0.6 (ratio 1.5, gap 0.3) goes; 0.5 vs 0.35 stays
+    prox = torch.log(torch.tensor([[1e-4, 0.9, 0.5]]))
+    behaviour = torch.log(torch.tensor([[3e-4, 0.6, 0.35]]))
+    keep = probability_difference_mask(prox, behaviour, torch.ones(1, 3), eps=0.2)
+    assert keep.tolist() == [[1.0, 0.0, 1.0]]
+
+
+def test_sequence_corrections_through_the_entry_point():
+    prox = torch.zeros(2, 2)
+    behaviour = torch.tensor([[-0.5, -0.5], [0.0, 0.0]])
+    adv, mask = torch.tensor([1.0, -2.0]), torch.ones(2, 2)
+    old, a, kept, m = correct_off_policy("mis", prox, behaviour, adv, mask, kwargs={"cap": 2.0, "drop": True})
+    assert torch.equal(old, prox)
+    assert kept.tolist() == [[0.0, 0.0], [1.0, 1.0]] and a.flatten().tolist() == [0.0, -2.0]
+    assert m["off_policy/masked_frac"] == 0.5 and m["off_policy/seq_masked_frac"] == 0.5
+    _, a, kept, m = correct_off_policy("geo_mask", prox, behaviour, adv, mask)
+    assert kept.tolist() == [[0.0, 0.0], [1.0, 1.0]]
+
+
+def test_correction_settings_out_of_range_fail_naming_the_key():
+    import pytest
+
+    from polyrl.config import AlgorithmConfig
+
+    with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs: .*alpha <= beta"):
+        AlgorithmConfig(off_policy="icepop", off_policy_kwargs={"alpha": 3.0, "beta": 2.0})
+    with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs: .*eps >= 0"):
+        AlgorithmConfig(off_policy="prob_mask", off_policy_kwargs={"eps": -0.1})
+    with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs.tau: not a parameter"):
+        AlgorithmConfig(off_policy="mis", off_policy_kwargs={"tau": 1.0})
+    with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs: off_policy 'tis' takes no kwargs"):
+        AlgorithmConfig(off_policy="tis", off_policy_kwargs={"cap": 1.0})
+    from polyrl.config import ConfigError, load_config
+
+    for override, named in (("algorithm.off_policy=icepopp", "algorithm.off_policy"),
+                            ("algorithm.off_policy_kwargs={alpha: 3, beta: 2}", "algorithm.off_policy_kwargs")):
+        with pytest.raises(ConfigError) as err:
+            load_config("configs/quickstart.yaml", ["algorithm.off_policy=icepop", override])
+        assert named in str(err.value) and len(str(err.value).strip().splitlines()) == 1, str(err.value)
+
+
+def _own_logprobs(learner, trajectories):
+    """Each trajectory's response log-probs under the learner's current weights, aligned with input_ids."""
+    from polyrl.train.batch import collate
+    from polyrl.train.logprobs import token_logprobs
+
+    batch = collate(trajectories, pad_id=2)
+    with torch.no_grad():
+        logp, _ = token_logprobs(learner.model, batch, temperature=1.0, bf16=False)
+    for i, t in enumerate(trajectories):
+        s = t.prompt_len
+        t.logprobs = [0.0] * s + logp[i, : len(t.input_ids) - s].tolist()
+
+
+def test_learner_logs_the_mismatch_every_step_and_applies_each_correction():
+    from algo_helpers import fake_trajectories, make_learner
+
+    for mode in ("none", "mis", "icepop", "geo_mask", "prob_mask"):
+        learner = make_learner(off_policy=mode, track_kl=False)
+        ts = fake_trajectories()
+        _own_logprobs(learner, ts)
+        ts[0].logprobs[3] -= 1.0  # the engine found one token e times less likely than the learner does
+        m = learner.update(ts)
+        # 12 counted tokens, one log-ratio of +1 (ratio e, beyond the 0.2 band), k3 = e - 2
+        assert math.isclose(m["mismatch/log_ratio"], 1 / 12, rel_tol=1e-4), mode
+        assert math.isclose(m["mismatch/abs_log_ratio/max"], 1.0, rel_tol=1e-4)
+        assert math.isclose(m["mismatch/beyond_band_frac"], 1 / 12, rel_tol=1e-4)
+        assert math.isclose(m["mismatch/kl"], (math.e - 2) / 12, rel_tol=1e-3)
+        # what each correction leaves out: mis (cap 2) truncates the weight e of sequence 0 and masks nothing;
+        # icepop (beta 5) keeps ratio e; geo_mask drops sequence 0 (mean log-ratio 1/3); prob_mask drops the
+        # token when its probability moved by more than 0.2
+        expected = {"none": None, "mis": 0.0, "icepop": 0.0, "geo_mask": 3 / 12}
+        if mode in expected and expected[mode] is not None:
+            assert math.isclose(m["off_policy/masked_frac"], expected[mode], abs_tol=1e-6), mode
+        assert math.isfinite(m["loss"]) and m["grad_norm"] > 0

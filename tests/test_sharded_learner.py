@@ -29,6 +29,7 @@ from polyrl.types import Trajectory
 from tests.conftest import SMOKE
 from tests.dist_helpers import run_ranks
 
+MIS = {"off_policy": "mis", "off_policy_kwargs": {"cap": 1.5, "drop": True}}
 CASES = [(agg, lora) for agg in ("token-mean", "seq-mean-token-mean") for lora in (False, True)]
 
 
@@ -52,7 +53,7 @@ def _trajectories(n_groups: int = 3, group: int = 4, seed: int = 0) -> list[Traj
 
 
 def _update(agg: str, lora: bool, n_groups: int = 3, group: int = 4,
-            sharding: LearnerConfig | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+            sharding: LearnerConfig | None = None, **algo_kw) -> tuple[dict, dict[str, torch.Tensor]]:
     """One update of a tiny float32 policy; returns the metrics and the whole weights after it."""
     torch.manual_seed(0)  # LoRA's initial adapters come from the global generator
     model = load_model("tiny-random", LoraConfig(r=4, alpha=8) if lora else None, seed=3)
@@ -61,7 +62,7 @@ def _update(agg: str, lora: bool, n_groups: int = 3, group: int = 4,
             if "lora_B" in name:
                 p.normal_(0.0, 0.02)
     full = copy.deepcopy(model)
-    algo = AlgorithmConfig(loss_agg=agg, kl_coef=0.05, clip_high=0.28)
+    algo = AlgorithmConfig(loss_agg=agg, kl_coef=0.05, clip_high=0.28, **algo_kw)
     learner = Learner(model, algo, OptimConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.05), 1.0, False, pad_id=2,
                       sharding=sharding)
     metrics = learner.update(_trajectories(n_groups, group))
@@ -73,6 +74,7 @@ def _on_rank(path: str) -> None:
     results = {case: _update(*case) for case in CASES}
     results["one row"] = _update("token-mean", False, n_groups=1, group=1)
     results["checkpointed"] = _update("token-mean", False, sharding=LearnerConfig(activation_checkpointing=True))
+    results["mis"] = _update("token-mean", False, **MIS)
     if current().is_main:
         torch.save(results, path)
 
@@ -115,6 +117,19 @@ def test_a_rank_without_rows_joins_the_passes_and_adds_nothing(two_ranks):
     two_metrics, two_weights = two_ranks["one row"]
     assert two_metrics["grad_norm"] == pytest.approx(one_metrics["grad_norm"], rel=1e-5)
     assert two_metrics["loss"] == pytest.approx(one_metrics["loss"], rel=1e-5)
+    for name, w in one_weights.items():
+        assert float((two_weights[name] - w).norm() / w.norm()) <= 1e-5, name
+
+
+def test_mismatch_metrics_and_sequence_correction_are_global(two_ranks):
+    """The mismatch/ metrics are means over the whole batch's tokens, and MIS's sequence weights give the
+    one-process update, whichever rank a sequence lands on."""
+    one_metrics, one_weights = _update("token-mean", False, **MIS)
+    two_metrics, two_weights = two_ranks["mis"]
+    keys = [k for k in one_metrics if k.startswith("mismatch/")]
+    assert len(keys) == 4 and one_metrics["mismatch/beyond_band_frac"] > 0
+    for key in [*keys, "loss", "grad_norm", "off_policy/masked_frac"]:
+        assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-5, abs=1e-7), key
     for name, w in one_weights.items():
         assert float((two_weights[name] - w).norm() / w.norm()) <= 1e-5, name
 

@@ -10,7 +10,11 @@ that the policy loss multiplies in.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+from polyrl.algorithms.mismatch import CORRECTIONS
 
 
 def importance_weight(proximal_logp: torch.Tensor, behaviour_logp: torch.Tensor) -> torch.Tensor:
@@ -73,7 +77,6 @@ def m2po_mask(log_ratio: torch.Tensor, mask: torch.Tensor, tau: float = 0.04) ->
     return out
 
 
-
 def correct_off_policy(
     mode: str,
     proximal_logp: torch.Tensor,
@@ -82,6 +85,7 @@ def correct_off_policy(
     mask: torch.Tensor,
     tis_cap: float = 2.0,
     m2po_tau: float = 0.04,
+    kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
     """Apply one correction ahead of a PPO-family loss; returns (old_logp for the loss's ratio, advantages,
     mask, metrics).
@@ -89,6 +93,9 @@ def correct_off_policy(
     - ``decoupled``: ratio to the proximal policy, advantages times pi_prox / mu per token (AReaL).
     - ``tis``: the same with the weight truncated at ``tis_cap`` (Yao et al. 2025).
     - ``m2po``: ratio to the behaviour policy mu; tokens dropped by ``m2po_mask`` (Zheng et al. 2025).
+    - ``mis``, ``icepop``, ``geo_mask``, ``prob_mask`` (``polyrl.algorithms.mismatch``, settings in
+      ``kwargs``): ratio to the proximal policy, advantages times the correction's weights, and tokens whose
+      weight is 0 (masked token or masked sequence) left out of the mask.
 
     A non-negative per-token weight on the advantage equals a weight on PPO's per-token objective, since
     min(r w A, clip(r) w A) = w min(r A, clip(r) A) for w >= 0; so the losses themselves stay unchanged.
@@ -112,4 +119,13 @@ def correct_off_policy(
         kept = m2po_mask(proximal_logp.detach() - behaviour_logp, mask, m2po_tau)
         metrics["off_policy/masked_frac"] = float(1 - kept.sum() / valid.sum()) if valid.any() else 0.0
         return behaviour_logp.detach(), advantages, kept, metrics
-    raise ValueError(f"unknown off-policy correction '{mode}' (none, decoupled, tis, m2po)")
+    if mode in CORRECTIONS:
+        weights = CORRECTIONS[mode](proximal_logp, behaviour_logp, mask, **(kwargs or {}))
+        kept = mask * (weights > 0).to(mask.dtype)
+        metrics["off_policy/masked_frac"] = float(1 - kept.sum() / valid.sum()) if valid.any() else 0.0
+        seqs = valid.any(-1)
+        if seqs.any():
+            metrics["off_policy/seq_masked_frac"] = float((~(kept > 0).any(-1))[seqs].float().mean())
+        return proximal_logp.detach(), per_token * weights, kept, metrics
+    valid_modes = ", ".join(["none", "decoupled", "tis", "m2po", *CORRECTIONS.names()])
+    raise ValueError(f"unknown off-policy correction '{mode}' ({valid_modes})")

@@ -13,10 +13,12 @@ import torch
 
 from polyrl.algorithms.advantages import ADVANTAGES
 from polyrl.algorithms.losses import LOSSES
+from polyrl.algorithms.mismatch import CORRECTIONS
 
 # Arguments the framework passes itself; a kwargs entry may not override them.
 LOSS_ARGS = ("logp", "old_logp", "advantages", "mask", "clip_low", "clip_high", "agg", "num_tokens")
 ADVANTAGE_ARGS = ("rewards", "group_ids")
+CORRECTION_ARGS = ("proximal_logp", "behaviour_logp", "mask")
 
 
 def check_kwargs(
@@ -59,3 +61,18 @@ def check_algorithm(algo: Any) -> None:
     loss_args = (logp, logp - 0.1, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
     common = {"clip_low": algo.clip_low, "clip_high": algo.clip_high, "agg": algo.loss_agg, "num_tokens": 4.0}
     _probe(loss_fn, loss_args, common, algo.loss_kwargs, "algorithm.loss_kwargs", loss_what)
+    check_correction(algo)
+
+
+def check_correction(algo: Any) -> None:
+    """``algorithm.off_policy_kwargs`` fit the correction named by ``algorithm.off_policy``."""
+    key = "algorithm.off_policy_kwargs"
+    if algo.off_policy not in CORRECTIONS:
+        if algo.off_policy_kwargs:
+            raise ValueError(f"{key}: off_policy '{algo.off_policy}' takes no kwargs (its settings are "
+                             f"algorithm.tis_cap / algorithm.m2po_tau)")
+        return
+    fn, what = CORRECTIONS[algo.off_policy], f"off-policy correction '{algo.off_policy}'"
+    check_kwargs(fn, algo.off_policy_kwargs, CORRECTION_ARGS, key, what)
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
+    _probe(fn, (logp, logp - 0.1, torch.ones(2, 2)), {}, algo.off_policy_kwargs, key, what)

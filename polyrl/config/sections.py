@@ -205,7 +205,17 @@ class AlgorithmConfig(_Strict):
     AReaL's decoupled PPO, ratio to the proximal policy (the learner's weights at the update's start,
     log-probs recomputed) times the weight pi_prox / pi_behaviour. tis: the same weight truncated at
     ``tis_cap`` (Yao et al. 2025). m2po: ratio to the behaviour policy, tokens masked by M2PO's second-moment
-    bound ``m2po_tau`` (Zheng et al. 2025)."""
+    bound ``m2po_tau`` (Zheng et al. 2025). The engine/learner mismatch corrections, ratio to the proximal
+    policy, settings in ``off_policy_kwargs``: mis: sequence-level truncated IS, min(pi_prox(y) / mu(y), cap)
+    per sequence ({cap: 2.0, drop: false}; drop masks the sequence instead). icepop: token weight r_t inside
+    [alpha, beta], 0 outside ({alpha: 0.5, beta: 5.0}). geo_mask: sequences whose geometric-mean ratio leaves
+    [low, high] masked ({low: 0.99, high: 1.01}). prob_mask: tokens with |pi_prox(y_t) - mu(y_t)| > eps
+    masked ({eps: 0.2})."""
+    off_policy_kwargs: dict[str, Any] = {}
+    """Settings of the mis, icepop, geo_mask and prob_mask corrections (see off_policy)."""
+    mismatch_band: float = Field(0.2, gt=0)
+    """Band of the always-logged ``mismatch/beyond_band_frac``: the fraction of tokens whose ratio between
+    the learner's and the engine's probability leaves [1 - band, 1 + band]."""
     tis_cap: float = Field(2.0, gt=0)
     """Truncation C of the importance weight min(pi_prox / pi_behaviour, C) (off_policy: tis)."""
     m2po_tau: float = Field(0.04, ge=0)

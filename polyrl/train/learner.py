@@ -16,6 +16,7 @@ from polyrl.algorithms.corrections import correct_off_policy, truncated_importan
 from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED
+from polyrl.algorithms.mismatch import mismatch_metrics, mismatch_sums
 from polyrl.config import AlgorithmConfig, LearnerConfig, OptimConfig
 from polyrl.parallel.fsdp import clip_grad_norm, shard_module
 from polyrl.parallel.group import balanced_shards, current, merge_rank_metrics
@@ -168,7 +169,8 @@ class Learner:
         means: dict[str, float] = {}  # averaged over micro-batches (extremes for */max and */min)
         # Each row's task, so a micro-batch finds its rows' teachers (rows keep the sorted order).
         row_tasks = [t.task for t in trajectories]
-        for _ in range(algo.epochs):
+        mismatch: dict[str, float] = {}  # engine vs learner log-probs, summed over this rank's micro-batches
+        for epoch in range(algo.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for k, (c, mb) in enumerate(zip(chunks, micro_batches, strict=True)):
                 # token-mean shares the global token count; the seq-mean modes weight by sequences.
@@ -178,6 +180,9 @@ class Learner:
                 old_logp, old_values = old[k] if old is not None else (logp.detach(), _detach(values))
                 ref_logp = ref[k] if ref is not None else None
                 advantages, returns = self._advantages(mb, rewards[c], old_logp, ref_logp, old_values)
+                if epoch == 0 and real[k]:  # another model's rows (cross-policy) are no engine mismatch
+                    own = mb.loss_mask * ~cross[c][:, None]
+                    _add_sums(mismatch, mismatch_sums(old_logp, mb.behaviour_logp, own, algo.mismatch_band))
                 # Tokens another policy sampled (rollout.cross_policy): weight by min(pi_old / mu, cap), unless
                 # algorithm.off_policy already corrects every row.
                 x_metrics = {}
@@ -193,7 +198,7 @@ class Learner:
                 if algo.off_policy != "none":  # stale tokens (async runtimes): algorithms/corrections.py
                     old_logp, advantages, pg_mask, off_metrics = correct_off_policy(
                         algo.off_policy, old_logp, mb.behaviour_logp, advantages, mb.loss_mask, algo.tis_cap,
-                        algo.m2po_tau)
+                        algo.m2po_tau, algo.off_policy_kwargs)
                 pg_loss, m = loss_fn(
                     logp, old_logp, advantages, pg_mask, clip_low=algo.clip_low,
                     clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=num_tokens, **algo.loss_kwargs,
@@ -238,8 +243,12 @@ class Learner:
                 totals["skipped_updates"] = totals.get("skipped_updates", 0.0) + 1
             means["grad_norm"] = means.get("grad_norm", 0.0) + grad_norm / algo.epochs
         self._scheduler_step()
+        totals.update({f"mismatch/sum/{key}": v for key, v in mismatch.items()})
         if self.ranks.distributed:
             totals, means = merge_rank_metrics(totals, means)
+        sums = {key.removeprefix("mismatch/sum/"): totals.pop(key) for key in list(totals)
+                if key.startswith("mismatch/sum/")}
+        totals.update(mismatch_metrics(sums))
         totals.setdefault("kl", None)  # not measured: no reference was kept (kl_coef 0, track_kl off)
         totals.setdefault("skipped_updates", 0.0)
         return {**totals, **means, "zero_gradient": 0.0, "lr": self.scheduler.get_last_lr()[0]}
@@ -367,6 +376,11 @@ class Learner:
 
 def _detach(x: torch.Tensor | None) -> torch.Tensor | None:
     return None if x is None else x.detach()
+
+
+def _add_sums(into: dict[str, float], sums: dict[str, float]) -> None:
+    for key, v in sums.items():
+        into[key] = max(into.get(key, v), v) if key.endswith("/max") else into.get(key, 0.0) + v
 
 
 def _accumulate(into: dict[str, float], metrics: dict[str, float], n: int) -> None:
