@@ -63,6 +63,44 @@ def test_reinforce_pp_baseline_subtracts_group_mean_then_batch_normalises():
     assert torch.equal(torch.sign(got), torch.sign(ADVANTAGES["grpo"](r, torch.tensor([0, 0, 1, 1]))))
 
 
+def test_maxrl_divides_by_the_group_mean_reward():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2])
+    # group 0: mean 1/4 -> (1 - 1/4) * 4 = 3 and -1; group 1: mean 3/4 -> 1/3 and -1; group 2: nothing solved
+    close(ADVANTAGES["maxrl"](rewards, groups), [3, -1, -1, -1, 1 / 3, 1 / 3, 1 / 3, -1, 0, 0], tol=1e-5)
+
+
+def test_gdpo_normalises_each_reward_component_within_its_group():
+    # correctness [1, 0, 0, 0]: mean 1/4, unbiased std 1/2 -> [1.5, -0.5, -0.5, -0.5]
+    # format [0, 1, 0, 1]: mean 1/2, std 1/sqrt(3) -> [-0.866, 0.866, -0.866, 0.866]
+    parts = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 1.0]])
+    a = math.sqrt(3) / 2
+    summed = [1.5 - a, -0.5 + a, -0.5 - a, -0.5 + a]
+    close(ADVANTAGES["gdpo"](parts, ONE_GROUP, eps=0.0, batch_norm=False), summed)
+    # GRPO on the summed reward [1, 1, 0, 1] gives samples 0 and 1 the same advantage; GDPO ranks the
+    # correct one higher
+    grpo = ADVANTAGES["grpo"](parts.sum(-1), ONE_GROUP)
+    assert grpo[0] == pytest.approx(grpo[1].item())
+    s = torch.tensor(summed, dtype=torch.float64)
+    close(ADVANTAGES["gdpo"](parts, ONE_GROUP, eps=0.0), ((s - s.mean()) / s.std(correction=0)).tolist())
+    close(ADVANTAGES["gdpo"](parts, ONE_GROUP, weights=[2.0, 0.0], eps=0.0, batch_norm=False),
+          [3.0, -1.0, -1.0, -1.0])
+    with pytest.raises(ValueError, match="3 weights for 2 reward components"):
+        ADVANTAGES["gdpo"](parts, ONE_GROUP, weights=[1.0, 1.0, 1.0])
+
+
+def test_gdpo_reads_the_trajectories_reward_components():
+    from polyrl.algorithms.shaping import assign_advantages
+    from polyrl.config import AlgorithmConfig
+
+    ts = fake_trajectories()
+    for t, (c, f) in zip(ts, [(1.0, 0.0), (0.0, 1.0), (0.0, 0.0), (0.0, 1.0)], strict=True):
+        t.rewards, t.reward = {"correct": c, "format": f}, c + f
+    assign_advantages(ts, AlgorithmConfig(advantage="gdpo", advantage_kwargs={"eps": 0.0, "batch_norm": False}))
+    a = math.sqrt(3) / 2
+    close(torch.tensor([t.advantage for t in ts]), [1.5 - a, -0.5 + a, -0.5 - a, -0.5 + a], tol=1e-5)
+
+
 def test_every_estimator_keeps_shape_and_dtype():
     for name in ADVANTAGES.names():
         out = ADVANTAGES[name](R, ONE_GROUP)

@@ -13,7 +13,7 @@ from polyrl.config import ConfigError, load_config
 from polyrl.train.batch import collate
 
 LOG15 = math.log(1.5)
-BUILT_IN = ["ppo_clip", "dual_clip", "gspo", "cispo"]
+BUILT_IN = ["ppo_clip", "dual_clip", "gspo", "cispo", "dppo", "sapo"]
 
 
 def one_token(ratio: float, adv: float):
@@ -130,6 +130,73 @@ def test_every_loss_reports_ratio_metrics_and_takes_per_token_advantages():
             assert m["ratio/max"] == pytest.approx(1.5), name
 
 
+def test_sapo_gates_the_ratio_softly():
+    # ratio 1.5, A = +1, tau 1: sigmoid(0.5) = 0.622459, objective 4 * 0.622459 = 2.489836; its slope in logp
+    # is 4 * sigmoid * (1 - sigmoid) * ratio = 4 * 0.622459 * 0.377541 * 1.5 = 1.410024 (PPO's would be 0)
+    logp, old, adv, mask = one_token(1.5, 1.0)
+    loss, m = LOSSES["sapo"](logp, old, adv, mask, tau_pos=1.0, tau_neg=1.05)
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.489836, abs=1e-5)
+    assert logp.grad.item() == pytest.approx(-1.410024, abs=1e-5)
+    assert m["sapo/gate_weight"] == pytest.approx(4 * 0.622459 * 0.377541, abs=1e-5) and m["clip_frac"] == 0.0
+    # ratio 1, A = -1, tau_neg 1.05: objective -2 / 1.05, slope exactly the policy gradient's, -1
+    logp, old, adv, mask = one_token(1.0, -1.0)
+    loss, _ = LOSSES["sapo"](logp, old, adv, mask, tau_pos=1.0, tau_neg=1.05)
+    loss.backward()
+    assert loss.item() == pytest.approx(2 / 1.05) and logp.grad.item() == pytest.approx(1.0)
+    # far from 1 the gate closes: ratio 4, tau 1: weight 4 * sigmoid(3) * (1 - sigmoid(3)) = 0.1807
+    logp, old, adv, mask = one_token(4.0, 1.0)
+    _, m = LOSSES["sapo"](logp, old, adv, mask)
+    assert m["sapo/gate_weight"] == pytest.approx(0.180707, abs=1e-5) and m["clip_frac"] == 1.0
+
+
+def test_dppo_masks_only_updates_that_leave_the_divergence_region():
+    from polyrl.algorithms.trust_losses import binary_divergence
+
+    def case(p, q, adv, divergence="tv"):
+        """Current probability p, behaviour (anchor) probability q; old_logp = log q, so ratio p / q."""
+        logp = torch.tensor([[math.log(p)]], requires_grad=True)
+        anchor = torch.tensor([[math.log(q)]])
+        loss, m = LOSSES["dppo"](logp, anchor, torch.tensor([adv]), torch.ones(1, 1), 0.2, 0.2,
+                                 behaviour_logp=anchor, divergence=divergence)
+        loss.backward()
+        return loss.item(), logp.grad.item(), m
+
+    # A > 0 pushing a likely token 0.6 -> 0.9: TV 0.3 > 0.2, masked (no loss, no gradient)
+    assert case(0.9, 0.6, 1.0)[:2] == (0.0, 0.0)
+    # a rare token 1e-4 -> 3e-4 has ratio 3 (PPO would clip it) but TV 2e-4: it trains, loss -3, slope -3
+    loss, grad, m = case(3e-4, 1e-4, 1.0)
+    assert (loss, grad) == (pytest.approx(-3.0), pytest.approx(-3.0)) and m["clip_frac"] == 0.0
+    # A < 0 pushing 0.9 -> 0.6 further down: masked; A < 0 on a token that went up (0.6 -> 0.9) trains
+    assert case(0.6, 0.9, -1.0)[:2] == (0.0, 0.0)
+    assert case(0.9, 0.6, -1.0)[:2] == (pytest.approx(1.5), pytest.approx(1.5))
+    # binary KL(q || p) for q = 0.6, p = 0.9: 0.6 log(0.6 / 0.9) + 0.4 log(0.4 / 0.1) = 0.311239 > 0.2: masked
+    kl = binary_divergence(torch.tensor(math.log(0.9)), torch.tensor(math.log(0.6)), "kl")
+    assert kl.item() == pytest.approx(0.311239, abs=1e-5)
+    assert case(0.9, 0.6, 1.0, "kl")[:2] == (0.0, 0.0)
+    # q = 0.6, p = 0.7: KL = 0.6 log(6/7) + 0.4 log(4/3) = 0.022583 < 0.2: trains
+    assert case(0.7, 0.6, 1.0, "kl")[0] == pytest.approx(-0.7 / 0.6)
+
+
+def test_dppo_topk_divergence_by_hand():
+    from polyrl.algorithms.trust_losses import topk_divergence
+
+    # pi = [0.5, 0.3, 0.1, 0.1]; the anchor's top 2 are tokens 0 and 1 at 0.4 each (0.2 for the rest)
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.1, 0.1]]]))
+    ids, logq = torch.tensor([[[0, 1]]]), torch.log(torch.tensor([[[0.4, 0.4]]]))
+    # TV = 1/2 (0.1 + 0.1 + |0.2 - 0.2|) = 0.1; KL = 0.4 log(0.4/0.5) + 0.4 log(0.4/0.3) + 0.2 log(1) = 0.025815
+    assert topk_divergence(logits, ids, logq, "tv").item() == pytest.approx(0.1, abs=1e-6)
+    assert topk_divergence(logits, ids, logq, "kl").item() == pytest.approx(0.025815, abs=1e-6)
+
+
+def test_dppo_in_the_learner_takes_the_behaviour_log_probs():
+    ts = fake_trajectories()  # behaviour log-probs 0 (probability 1): every token moved down by > 0.2 TV
+    m = make_learner(loss="dppo", track_kl=False).update(ts)
+    # the two A > 0 samples push their tokens back up, toward the engine's: inside the region; the A < 0
+    # samples would push them further down: masked. So half the tokens are out of the region.
+    assert m["clip_frac"] == pytest.approx(0.5) and m["dppo/divergence"] > 0.2
+
+
 # A user's own loss: registered with the decorator, chosen by name in the config, with its own keyword.
 @LOSSES.register("test_scaled_ppo")
 def scaled_ppo(
@@ -154,7 +221,7 @@ def test_a_user_registered_loss_is_usable_from_config():
 
 def test_bad_algorithm_config_is_one_line_naming_the_key():
     cases = {
-        "algorithm.loss=gspoo": "algorithm.loss: unknown policy loss 'gspoo'; valid: cispo, dual_clip, gspo",
+        "algorithm.loss=gspoo": "algorithm.loss: unknown policy loss 'gspoo'; valid: cispo, dppo, dual_clip, gspo",
         "algorithm.advantage=rlooo": "algorithm.advantage: unknown advantage estimator 'rlooo'; valid: dr_",
         "algorithm.loss_kwargs={c: 0.5}": "algorithm.loss_kwargs.c: not a parameter of policy loss 'ppo_cl",
         "algorithm.advantage_kwargs={group_ids: 1}": "algorithm.advantage_kwargs.group_ids: set by the fra",

@@ -108,3 +108,59 @@ def gae_terminal_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> torc
     """
     del group_ids
     return rewards.clone()
+
+
+@ADVANTAGES.register("maxrl")
+def maxrl_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """MaxRL (Tajwar et al. 2026, "Maximum Likelihood Reinforcement Learning", the MaxRL estimator): the
+    gradient of the log pass rate, grad log p = grad p / p, estimated from a group as the mean of
+    grad log pi over its successful samples. With the group mean as a control variate that is
+
+        A_i = (r_i - mean_g) / mean_g,
+
+    GRPO's baseline with the group mean in place of the std: a prompt solved 1 time in 8 gives its success an
+    advantage of 7, one solved 7 times in 8 gives 1/7, so hard prompts weigh more, as maximum likelihood
+    asks. A group with mean reward <= ``eps`` (nothing solved) has no gradient: advantage 0. Rewards are meant
+    to be in [0, 1] (pass/fail).
+    """
+    mean, _, _ = _group_stats(rewards, group_ids)
+    r = rewards.double()
+    solved = mean > eps
+    return torch.where(solved, (r - mean) / mean.clamp(min=eps), torch.zeros_like(r)).to(rewards.dtype)
+
+
+MULTI_REWARD = frozenset({"gdpo"})
+"""Estimators that take each reward component ([N, K]) instead of the summed reward ([N])."""
+
+
+@ADVANTAGES.register("gdpo")
+def gdpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: torch.Tensor,
+    weights: list[float] | None = None,
+    eps: float = 1e-4,
+    batch_norm: bool = True,
+) -> torch.Tensor:
+    """GDPO (Liu et al. 2026, "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward
+    RL Optimization", the GDPO advantage): each of the K reward components is normalised within its group
+    before they are summed,
+
+        A_i = sum_k w_k (r_ik - mean_g(r_k)) / (std_g(r_k) + eps),   then   A <- (A - mean_B) / (std_B + eps),
+
+    where GRPO normalises the sum r_i = sum_k r_ik, so a component with a wide spread (say a length bonus)
+    drowns a rarely-won one (correctness) and distinct reward combinations collapse to the same advantage.
+    ``rewards`` is [N, K] (components in columns; the learner passes the trajectories' reward components) or
+    [N] (one component); ``weights`` defaults to 1 each. ``batch_norm`` is the final whitening over the batch.
+    """
+    r = rewards.double()
+    if r.dim() == 1:
+        r = r[:, None]
+    w = torch.ones(r.shape[1], dtype=torch.float64) if weights is None else torch.tensor(weights, dtype=torch.float64)
+    if w.shape != (r.shape[1],):
+        raise ValueError(f"gdpo: {len(w)} weights for {r.shape[1]} reward components")
+    total = torch.zeros(r.shape[0], dtype=torch.float64)
+    for k in range(r.shape[1]):
+        mean, std, _ = _group_stats(r[:, k], group_ids)
+        total += w[k] * (r[:, k] - mean) / (std + eps)
+    out = _batch_whiten(total, eps) if batch_norm else total
+    return out.to(rewards.dtype)

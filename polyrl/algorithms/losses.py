@@ -6,7 +6,8 @@ Every loss shares the signature
 
     loss(logp, old_logp, advantages, mask, clip_low, clip_high, agg, num_tokens, **extra) -> (loss, metrics)
 
-where ``extra`` are the loss's own keyword arguments (``algorithm.loss_kwargs`` in the config) and metrics
+where ``extra`` are the loss's own keyword arguments (``algorithm.loss_kwargs`` in the config), plus
+``behaviour_logp`` (the sampler's log-probs) for a loss whose signature has it, and metrics
 are detached floats that always include ``clip_frac`` and ``ratio/mean``, ``ratio/min``, ``ratio/max``.
 """
 
@@ -18,7 +19,7 @@ from polyrl.algorithms.registry import Registry
 
 LOSSES = Registry("policy loss")
 
-ADVANTAGE_WEIGHTED = frozenset({"ppo_clip", "dual_clip", "gspo", "cispo"})
+ADVANTAGE_WEIGHTED = frozenset({"ppo_clip", "dual_clip", "gspo", "cispo", "dppo", "sapo"})
 """Built-in losses whose every term is a token's advantage times a function of its ratio: when all advantages
 are 0 the loss is 0 for any weights, so its gradient is exactly 0 (``Learner`` then skips the passes)."""
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from polyrl.algorithms.advantages import ADVANTAGES
+from polyrl.algorithms.advantages import ADVANTAGES, MULTI_REWARD
 from polyrl.algorithms.dapo import overlong_penalty
 from polyrl.algorithms.task_norm import task_normalise
 from polyrl.types import Trajectory
@@ -31,6 +31,8 @@ def assign_advantages(trajectories: list[Trajectory], algo: Any) -> None:
     if not trajectories:
         return
     rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
+    if algo.advantage in MULTI_REWARD:
+        rewards = reward_components(trajectories)
     groups = torch.tensor([t.group_id for t in trajectories])
     advantages = ADVANTAGES[algo.advantage](rewards, groups, **algo.advantage_kwargs)
     if getattr(algo, "task_norm", False):
@@ -39,3 +41,13 @@ def assign_advantages(trajectories: list[Trajectory], algo: Any) -> None:
         advantages = task_normalise(advantages, task_ids)
     for t, a in zip(trajectories, advantages.tolist(), strict=True):
         t.advantage = a
+
+
+def reward_components(trajectories: list[Trajectory]) -> torch.Tensor:
+    """[N, K] reward components, one column per name in any trajectory's ``rewards`` (sorted; 0 where a
+    trajectory lacks it: components belong to a task, and groups never mix tasks). Trajectories that record
+    no component give their summed reward as the one column."""
+    names = sorted({k for t in trajectories for k in t.rewards})
+    if not names:
+        return torch.tensor([[t.reward] for t in trajectories], dtype=torch.float32)
+    return torch.tensor([[t.rewards.get(k, 0.0) for k in names] for t in trajectories], dtype=torch.float32)

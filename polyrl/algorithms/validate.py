@@ -16,7 +16,8 @@ from polyrl.algorithms.losses import LOSSES
 from polyrl.algorithms.mismatch import CORRECTIONS
 
 # Arguments the framework passes itself; a kwargs entry may not override them.
-LOSS_ARGS = ("logp", "old_logp", "advantages", "mask", "clip_low", "clip_high", "agg", "num_tokens")
+LOSS_ARGS = ("logp", "old_logp", "advantages", "mask", "clip_low", "clip_high", "agg", "num_tokens",
+             "behaviour_logp")
 ADVANTAGE_ARGS = ("rewards", "group_ids")
 CORRECTION_ARGS = ("proximal_logp", "behaviour_logp", "mask")
 
@@ -34,6 +35,11 @@ def check_kwargs(
         if name not in own and not takes_any:
             valid = ", ".join(own) or "none"
             raise ValueError(f"{key}.{name}: not a parameter of {what}; its parameters: {valid}")
+
+
+def takes_behaviour(loss_fn: Callable) -> bool:
+    """Whether the learner passes the sampler's log-probs to this loss (``behaviour_logp`` in its signature)."""
+    return "behaviour_logp" in inspect.signature(loss_fn).parameters
 
 
 def _probe(
@@ -60,6 +66,8 @@ def check_algorithm(algo: Any) -> None:
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
     loss_args = (logp, logp - 0.1, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
     common = {"clip_low": algo.clip_low, "clip_high": algo.clip_high, "agg": algo.loss_agg, "num_tokens": 4.0}
+    if takes_behaviour(loss_fn):
+        common["behaviour_logp"] = logp - 0.2
     _probe(loss_fn, loss_args, common, algo.loss_kwargs, "algorithm.loss_kwargs", loss_what)
     check_correction(algo)
 

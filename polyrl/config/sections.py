@@ -143,12 +143,14 @@ class AlgorithmConfig(_Strict):
     """The objective: advantage estimator, policy loss, KL, and DAPO sampling/shaping (docs/algorithms.md)."""
 
     advantage: str = "grpo"
-    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, gae (PPO with a critic),
-    or one registered with ``@ADVANTAGES.register``."""
+    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, maxrl (group mean as the
+    scale), gdpo (each reward component normalised in its group, then summed), gae (PPO with a critic), or one
+    registered with ``@ADVANTAGES.register``."""
     advantage_kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the estimator, e.g. ``{eps: 1.0e-6}`` for grpo."""
     loss: str = "ppo_clip"
-    """Policy loss: ppo_clip, dual_clip, gspo, cispo, or one registered with ``@LOSSES.register``."""
+    """Policy loss: ppo_clip, dual_clip, gspo, cispo, dppo (divergence trust region; clip_low/clip_high are its
+    size), sapo (soft gate), or one registered with ``@LOSSES.register``."""
     loss_kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the loss, e.g. ``{c: 3.0}`` for dual_clip."""
     clip_low: float = Field(0.2, ge=0)
@@ -199,7 +201,7 @@ class AlgorithmConfig(_Strict):
     distill_coef: float = Field(0.0, ge=0)
     """Weight of the per-token reverse KL to each task's teacher (tasks[].teacher, docs/multidomain.md);
     0 is off."""
-    off_policy: Literal["none", "decoupled", "tis", "m2po"] = "none"
+    off_policy: Literal["none", "decoupled", "tis", "m2po", "mis", "icepop", "geo_mask", "prob_mask"] = "none"
     """Correction for tokens sampled by an older policy (async runtimes, partial rollouts; docs/systems.md).
     none: the ratio is to the policy at the update's start and the behaviour log-probs go unused. decoupled:
     AReaL's decoupled PPO, ratio to the proximal policy (the learner's weights at the update's start,

@@ -17,6 +17,7 @@ from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED
 from polyrl.algorithms.mismatch import mismatch_metrics, mismatch_sums
+from polyrl.algorithms.validate import takes_behaviour
 from polyrl.config import AlgorithmConfig, LearnerConfig, OptimConfig
 from polyrl.parallel.fsdp import clip_grad_norm, shard_module
 from polyrl.parallel.group import balanced_shards, current, merge_rank_metrics
@@ -165,6 +166,7 @@ class Learner:
             with torch.no_grad():
                 old = [(f[0], f[2]) for f in map(self._forward, micro_batches)]
         loss_fn = LOSSES[algo.loss]
+        loss_kwargs = dict(algo.loss_kwargs)
         totals: dict[str, float] = {}  # summed over micro-batches (they add up to the batch loss)
         means: dict[str, float] = {}  # averaged over micro-batches (extremes for */max and */min)
         # Each row's task, so a micro-batch finds its rows' teachers (rows keep the sorted order).
@@ -199,9 +201,11 @@ class Learner:
                     old_logp, advantages, pg_mask, off_metrics = correct_off_policy(
                         algo.off_policy, old_logp, mb.behaviour_logp, advantages, mb.loss_mask, algo.tis_cap,
                         algo.m2po_tau, algo.off_policy_kwargs)
+                if takes_behaviour(loss_fn):
+                    loss_kwargs["behaviour_logp"] = mb.behaviour_logp
                 pg_loss, m = loss_fn(
                     logp, old_logp, advantages, pg_mask, clip_low=algo.clip_low,
-                    clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=num_tokens, **algo.loss_kwargs,
+                    clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=num_tokens, **loss_kwargs,
                 )
                 m = {**m, **x_metrics}
                 m.update(off_metrics)
