@@ -1,4 +1,4 @@
-"""Command line: ``polyrl train | eval | report | view | tasks``."""
+"""Command line: ``polyrl train | eval | serve | report | view | tasks``."""
 
 from __future__ import annotations
 
@@ -208,6 +208,24 @@ def tasks() -> None:
     width = max(len(n) for n, _ in rg)
     for name, doc in rg:
         typer.echo(f"  {name:<{width}}  {doc}")
+
+
+@app.command("serve")
+def serve_cmd(
+    model: Annotated[str, typer.Argument(help="Model alias, HF directory, checkpoint, or run directory.")],
+    port: Annotated[int, typer.Option("--port", help="Port on 127.0.0.1 (0 picks a free one).")] = 8000,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default and cap of max_tokens.")] = 512,
+    bf16: Annotated[bool, typer.Option("--bf16/--fp32")] = True,
+) -> None:
+    """Serve a model as an OpenAI-compatible endpoint on 127.0.0.1 (chat/completions with tools)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    from polyrl.endpoint.serve import serve
+    from polyrl.models.loading import ModelNotFoundError
+
+    try:
+        serve(model, port, max_tokens, bf16, echo=typer.echo)
+    except (ModelNotFoundError, ValueError, OSError) as exc:
+        _fail(str(exc).splitlines()[0])
 
 
 @app.command("export")

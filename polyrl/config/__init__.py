@@ -127,6 +127,10 @@ class Config(_Strict):
             check_task(task, key=f"tasks.{i}")
             if task.name in [t.name for t in self.tasks[:i]]:
                 raise ValueError(f"tasks.{i}.name: task '{task.name}' is listed twice; names must differ")
+        agents = [i for i, t in enumerate(self.tasks) if t.agent is not None]
+        if agents and (self.runtime.kind != "local" or self.learner.world_size > 1):
+            raise ValueError(f"tasks.{agents[0]}.agent: agent tasks run on one process's endpoint; they need "
+                             "runtime.kind: local and learner.world_size: 1")
         if self.curriculum is not None:
             from polyrl.data.curriculum import check_curriculum
 

@@ -88,8 +88,21 @@ class TaskConfig(_Strict):
     name: str
     """The task's name in metrics; for the reasoning_gym env, the dataset (``polyrl tasks`` lists them)."""
     env: str | None = None
-    """The environment (docs/environments.md): reasoning_gym, tool_math, retrieval_qa, frozen_lake, gym, or
-    one registered with ``@register_env``. Unset: the env named like the task if any, else reasoning_gym."""
+    """The environment (docs/environments.md): reasoning_gym, tool_math, retrieval_qa, frozen_lake, gym, one
+    registered with ``@register_env``, or a task factory of your own as ``module:attr`` (imported from the
+    working directory). Unset: the env named like the task if any, else reasoning_gym. With ``agent`` set, the
+    env only supplies the items (its own rollout is not used)."""
+    agent: str | None = None
+    """An agent of your own as ``module:attr``: ``async def run(client: openai.AsyncOpenAI, item: dict)``
+    returning a reward (or ``(reward, info)``); it talks to the policy through polyrl's OpenAI-compatible
+    endpoint and its calls are what is trained on (docs/agents.md, "Bring your own agent")."""
+    items: list[Any] | str | None = None
+    """Agent tasks: the training items, inline or a .json / .jsonl file; unset takes them from ``env``."""
+    eval_items: list[Any] | str | None = None
+    """Agent tasks with ``items``: the held-out items (inline or a file); unset leaves the task out of
+    held-out evaluation. With ``env``, the env's own held-out items are used."""
+    timeout_s: float = Field(300.0, gt=0)
+    """Agent tasks: seconds an episode may run; one that takes longer is dropped."""
     weight: float = Field(1.0, gt=0)
     params: dict[str, Any] = {}
     """Passed to the environment: for reasoning_gym, the dataset constructor's difficulty parameters."""

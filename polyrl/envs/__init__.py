@@ -1,10 +1,11 @@
 """Environments: the reset/step protocol, tools from Python functions, tool-call parsers and built-in envs.
 
 Importing this package registers the built-in envs (reasoning_gym, tool_math, retrieval_qa, frozen_lake,
-gym, humaneval, instruct); ``make_task`` builds the task a config entry names.
+gym, humaneval, instruct) and agent tasks (``tasks[].agent``); ``make_task`` builds the task a config entry
+names.
 """
 
-from polyrl.envs import gym_text, humaneval, instruct, reasoning_gym, retrieval, tool_math  # noqa: F401
+from polyrl.envs import agent, gym_text, humaneval, instruct, reasoning_gym, retrieval, tool_math  # noqa: F401
 from polyrl.envs.base import (
     ENVS,
     Env,

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
+from polyrl.loader import is_reference, load_object
+
 if TYPE_CHECKING:  # type-only: config validates task names through this package
     from polyrl.config import TaskConfig
     from polyrl.envs.tool_parsers import ToolParser
@@ -168,19 +170,38 @@ def _load_builtins() -> None:
 
 
 def env_names() -> list[str]:
+    """The envs a config can name (agent tasks and module:attr factories are named their own way)."""
     _load_builtins()
-    return sorted(ENVS)
+    return sorted(n for n in ENVS if n != "agent" and not is_reference(n))
 
 
 def env_name(config: TaskConfig) -> str:
-    """``tasks[].env``, or the env registered under the task's name, or reasoning-gym."""
+    """``agent`` for an agent task, else ``tasks[].env``, or the env registered under the task's name, or
+    reasoning-gym."""
     _load_builtins()
+    if config.agent is not None:
+        return "agent"
     if config.env is not None:
         return config.env
     return config.name if config.name in ENVS else "reasoning_gym"
 
 
-def _params(spec: EnvSpec, config: TaskConfig, key: str) -> Any:
+def env_spec(name: str, key: str) -> EnvSpec:
+    """The registered env ``name``, or the task factory a ``module:attr`` reference names (registered under
+    that reference on first use)."""
+    _load_builtins()
+    if name in ENVS:
+        return ENVS[name]
+    if not is_reference(name):
+        raise ValueError(f"{key}: unknown env '{name}'; valid: {', '.join(env_names())}, or module:attr")
+    factory = load_object(name, key)
+    if not callable(factory):
+        raise ValueError(f"{key}: '{name}' is not callable; it must be a task factory (config, ctx) -> Task")
+    ENVS[name] = EnvSpec(factory, doc=(getattr(factory, "__doc__", None) or "").strip().split("\n")[0])
+    return ENVS[name]
+
+
+def task_params(spec: EnvSpec, config: TaskConfig, key: str) -> Any:
     if spec.params is None:
         return config.params
     try:
@@ -196,12 +217,9 @@ def check_task(config: TaskConfig, key: str = "task") -> None:
     """Config-time validation of one task entry; raises a one-line ValueError naming the key."""
     from polyrl.envs.tool_parsers import check_parser_name
 
-    name = env_name(config)
-    if name not in ENVS:
-        raise ValueError(f"{key}.env: unknown env '{name}'; valid: {', '.join(env_names())}")
+    spec = env_spec(env_name(config), f"{key}.env")
     check_parser_name(config.tool_parser, key=f"{key}.tool_parser")
-    spec = ENVS[name]
-    _params(spec, config, key)
+    task_params(spec, config, key)
     if spec.check is not None:
         spec.check(config, key)
 
@@ -211,9 +229,9 @@ def make_task(config: TaskConfig, seed: int, system_prompt: str | None = None, t
     from polyrl.envs.tool_parsers import get_parser
 
     check_task(config, key="task")
-    spec = ENVS[env_name(config)]
+    spec = env_spec(env_name(config), "task.env")
     parser = get_parser(config.tool_parser, tokenizer)
-    ctx = TaskContext(seed, _params(spec, config, "task"), parser, system_prompt)
+    ctx = TaskContext(seed, task_params(spec, config, "task"), parser, system_prompt)
     task = spec.factory(config, ctx)
     if config.tool_latency_s:
         task.make_env()  # fail at start-up, not at the first rollout, when the env has no tools to delay

@@ -10,6 +10,8 @@ from polyrl.algorithms.step_credit import apply_step_credit, attribute_tree_adva
 from polyrl.config import Config, RolloutConfig
 from polyrl.data.replay import PromptReplay, SuccessBuffer
 from polyrl.data.sampler import Draw, TaskSampler
+from polyrl.endpoint.rollout import agent_rollout
+from polyrl.envs.agent import AgentTask
 from polyrl.envs.base import Task
 from polyrl.rollout.arpo import arpo_rollout
 from polyrl.rollout.early_stop import EarlyStopper
@@ -24,7 +26,8 @@ class AgentFeatures:
         self.success = SuccessBuffer(rp.success_buffer, rp.success_score, rp.replay_ratio, seed) \
             if rp.success_buffer else None
         self.prompts = PromptReplay(rp.prompt_replay, rp.success_score, seed) if rp.prompt_replay else None
-        self.pending: dict[str, float] = {}  # replay metrics summed over a step's sampling rounds
+        self.pending: dict[str, float] = {}  # replay and agent-task metrics summed over a step's sampling rounds
+        self.model_name = config.model.name  # what agent tasks' clients call the policy
 
     # 1. which items a step draws
     def draw(self, sampler: TaskSampler, step: int, n: int, round_index: int) -> list[Draw]:
@@ -34,6 +37,28 @@ class AgentFeatures:
 
     # 2. how a group is rolled out
     def rollout(
+        self, engine: Any, requests: list[tuple[Task, int, dict[str, Any]]], r: RolloutConfig, seed: int,
+        version: int, first_id: int,
+    ) -> list[Trajectory]:
+        """Env tasks through the rollout below; agent tasks (``tasks[].agent``) through the policy's endpoint.
+        Group ids follow the order of ``requests`` either way."""
+        ids = list(range(first_id, first_id + len(requests)))
+        agent = [(task, i, item, gid) for (task, i, item), gid in zip(requests, ids, strict=True)
+                 if isinstance(task, AgentTask)]
+        if not agent:
+            return self._env_rollout(engine, requests, r, seed, version, first_id)
+        env_requests = [req for req in requests if not isinstance(req[0], AgentTask)]
+        env_ids = [gid for req, gid in zip(requests, ids, strict=True) if not isinstance(req[0], AgentTask)]
+        out = self._env_rollout(engine, env_requests, r, seed, version, 0) if env_requests else []
+        for t in out:
+            t.group_id = env_ids[t.group_id]
+        trajectories, metrics = agent_rollout(engine, self.model_name, agent, r.group_size, r.max_new_tokens,
+                                              r.temperature, r.top_p, seed, version)
+        for k, v in metrics.items():
+            self.pending[k] = self.pending.get(k, 0.0) + v
+        return out + trajectories
+
+    def _env_rollout(
         self, engine: Any, requests: list[tuple[Task, int, dict[str, Any]]], r: RolloutConfig, seed: int,
         version: int, first_id: int,
     ) -> list[Trajectory]:

@@ -19,8 +19,10 @@ from polyrl.algorithms.shaping import assign_advantages, shape_rewards
 from polyrl.config import Config
 from polyrl.data.dynamic_sampling import Sampled, dynamic_sample
 from polyrl.data.sampler import TaskSampler
+from polyrl.endpoint.rollout import evaluate_agent
 from polyrl.engines import make_engine
 from polyrl.engines.hf import HFEngine
+from polyrl.envs.agent import AgentTask
 from polyrl.envs.base import Task, make_task
 from polyrl.models.device import resolve_device
 from polyrl.models.loading import holds_bf16_weights, load_model, load_tokenizer
@@ -226,6 +228,11 @@ def evaluate_all(run: Run) -> dict[str, float]:
     engine = run.engine if cfg.eval.bf16 else HFEngine(policy, run.tokenizer, bf16=holds_bf16_weights(policy))
     accuracy = {}
     for name, task in run.tasks.items():
+        if isinstance(task, AgentTask):  # the agent's own episodes, on the endpoint (one learner rank)
+            if task.has_eval_items:
+                accuracy[name] = evaluate_agent(engine, cfg.model.name, task, task.config.eval_size, max_new,
+                                                cfg.eval.batch_size)["accuracy"]
+            continue
         result = evaluate(engine, task, task.config.eval_size, max_new, cfg.eval.batch_size,
                           part=(ranks.rank, ranks.world_size))
         counts = all_gather_objects((result["solved"], result["n"]))
