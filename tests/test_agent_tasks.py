@@ -212,3 +212,20 @@ def test_items_from_an_env_and_an_env_factory_by_module_attr(tmp_path, monkeypat
     listed = make_task(TaskConfig(name="l", agent="ok_agent:run", items=[{"i": i} for i in range(5)]), 0)
     first_pass = sorted(listed.train_item(i)["i"] for i in range(5))
     assert first_pass == [0, 1, 2, 3, 4] and listed.train_item(0) == listed.train_item(0)
+
+
+def test_a_step_whose_episodes_all_drop_leaves_the_policy_as_it_was(tmp_path, monkeypatch):
+    from polyrl.observe.progress import TrainProgress
+    from polyrl.train.step import build_run, rl_step
+
+    code = "async def run(client, item):\n    raise RuntimeError('always')\n"
+    cfg = _config(tmp_path, monkeypatch, "raiser", code, [{"name": "r", "agent": "raiser:run", "items": [{}]}])
+    run = build_run(cfg, tmp_path / "run")
+    before = [p.detach().clone() for p in run.model.parameters()]
+    for step in (1, 2):
+        metrics, trajectories = rl_step(run, step)
+        assert trajectories == [] and metrics["empty_batch"] == 1.0 and metrics["agent/dropped/raised"] == 4
+        assert metrics["reward/mean"] is None and metrics["skipped_updates"] == 0.0
+        with TrainProgress(2, True, step - 1) as progress:
+            progress.update(step, metrics)
+    assert all(torch.equal(a, b) for a, b in zip(before, run.model.parameters(), strict=True))

@@ -34,7 +34,7 @@ class TrainProgress:
         self.progress.update(
             self.task,
             completed=step,
-            reward=f"{metrics['reward/mean']:.3f}",
+            reward="-" if metrics["reward/mean"] is None else f"{metrics['reward/mean']:.3f}",
             kl="-" if kl is None else f"{kl:.4f}",
             tps=f"{metrics['tokens_per_s']:.0f}",
         )

@@ -175,6 +175,8 @@ def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
     """Steps 5-7: loss and update, then sync the engine's weights; returns the update's metrics and its time."""
     t1 = time.perf_counter()
     faults.point("update", batch.step)
+    if not batch.kept:  # every episode of the step was dropped (agent tasks): nothing to learn, weights unchanged
+        return {"skipped_updates": 0.0, "empty_batch": 1.0}, time.perf_counter() - t1
     update = run.learner.update(batch.kept)
     t_sync = time.perf_counter()
     if run.engine_model is not run.model:  # the sharded weights, gathered whole on every rank
@@ -188,6 +190,9 @@ def step_metrics(batch: ScoredBatch, update: dict[str, float], update_time_s: fl
     """Step 8's record. Reward and length are over everything sampled (the policy's performance, not the
     filtered batch)."""
     sampled, generated = batch.sampled, sum(t.num_model_tokens for t in batch.sampled)
+    if not sampled:
+        return {"reward/mean": None, **batch.shaping, **update, "tokens_per_s": 0.0,
+                "rollout_time_s": batch.rollout_time_s, "update_time_s": update_time_s, "step_time_s": step_time_s}
     return {
         "reward/mean": mean(t.reward for t in sampled),
         **{f"reward/{name}": mean(t.reward for t in sampled if t.task == name)
