@@ -124,6 +124,28 @@ class StageConfig(_Strict):
     teachers: dict[str, str] = {}
     """Task name -> teacher: ``best`` (the registry's best checkpoint for that task so far) or a model. A
     distill stage defaults every task without a tasks[].teacher to ``best``."""
+    replay: float = Field(0.0, ge=0, lt=1)
+    """rl stages: share of each step's prompts drawn from the tasks that earlier stages trained (split evenly
+    over them), so later domains are learnt while earlier ones are still practised."""
+    retain_coef: float = Field(0.0, ge=0)
+    """rl stages with ``replay``: weight of the reverse KL to each replayed task's best checkpoint on its
+    prompts (on-policy distillation interleaved with RL); the stage's own tasks have no teacher."""
+    until_within: float | None = Field(None, ge=0)
+    """distill stages: stop early once every task's validation accuracy is within this (a fraction) of its
+    teacher's, checked every ``eval_every`` steps; ``steps`` is then the budget. Validation items are
+    disjoint from the held-out ones the pipeline reports (pipeline.validation_size per task)."""
+    eval_every: int = Field(5, gt=0)
+    """Steps between the validation checks of ``until_within``."""
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> StageConfig:
+        if self.kind != "rl" and (self.replay or self.retain_coef):
+            raise ValueError(f"stage '{self.name}': replay and retain_coef apply to rl stages, not {self.kind}")
+        if self.retain_coef and not self.replay:
+            raise ValueError(f"stage '{self.name}': retain_coef needs replay > 0 (the replayed prompts)")
+        if self.kind != "distill" and self.until_within is not None:
+            raise ValueError(f"stage '{self.name}': until_within applies to distill stages, not {self.kind}")
+        return self
 
 
 class PipelineConfig(_Strict):
@@ -137,6 +159,8 @@ class PipelineConfig(_Strict):
     checkpoint in the registry."""
     regression_steps: int = Field(20, gt=0)
     """Steps of an inserted distill stage."""
+    validation_size: int = Field(50, gt=0)
+    """Validation items per task for the early stopping of distill stages (stages[].until_within)."""
 
 
 class RuntimeConfig(_Strict):
@@ -151,6 +175,19 @@ class RuntimeConfig(_Strict):
     >= v - eta. 0 reproduces the local run exactly (async) or waits for every update (ray)."""
     num_workers: int = Field(1, gt=0)
     """Rollout workers (ray: actors that share each step's groups; async: must be 1, one rollout process)."""
+    engines: Literal["auto", "colocated", "disaggregated"] = "auto"
+    """Where rollouts run. colocated: in the learner's own processes, on its devices (local and async; under
+    ray with ``learner.world_size`` > 1, each rank rolls out its share). disaggregated: on ``num_workers`` Ray
+    actors with their own CPUs (a GPU each on cuda), synced after every update (ray only). auto: disaggregated
+    for ray at world size 1, colocated otherwise."""
+    weight_sync: Literal["auto", "object_store", "collective"] = "auto"
+    """How disaggregated workers get each update's weights. object_store: the driver puts one full state dict
+    into Ray's object store (small models, world size 1). collective: learner rank 0 and the workers form a
+    torch.distributed group (gloo on CPU, NCCL on GPU) and the weights travel in buckets, gathered from the
+    shards without a full copy (parallel/weight_sync.py; LoRA sends the adapters only). auto: object_store at
+    world size 1, collective above."""
+    sync_bucket_mb: float = Field(256.0, gt=0)
+    """collective weight sync: the most MB (10**6 bytes) of weights in one broadcast."""
     partial_rollouts: bool = False
     """async: generate in chunks of ``chunk_tokens`` and load new weights between chunks, so a response
     started by one policy version is continued by the next (each token keeps its own version and log-prob)."""
@@ -174,4 +211,6 @@ class RuntimeConfig(_Strict):
                              "for more workers")
         if self.partial_rollouts and self.kind != "async":
             raise ValueError("runtime.partial_rollouts: needs runtime.kind: async")
+        if self.engines == "disaggregated" and self.kind != "ray":
+            raise ValueError("runtime.engines: disaggregated engines are Ray actors; needs runtime.kind: ray")
         return self

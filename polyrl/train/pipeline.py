@@ -5,8 +5,10 @@ the previous stage's final checkpoint. After every stage all tasks of the pipeli
 domain x stage table goes to RUN_DIR/stages.md and stages.json, the best checkpoint per task to
 RUN_DIR/registry.json. A task that falls more than ``pipeline.regression_threshold`` below its best is
 reported, and with ``pipeline.on_regression: distill`` a distill stage is inserted that teaches it from its best
-checkpoint (multi-teacher on-policy distillation, ``algorithms/distill.py``). A distill stage leaves out the
-tasks whose teacher is its own starting checkpoint, and is skipped when that is every task.
+checkpoint (multi-teacher on-policy distillation, ``algorithms/distill.py``). A distill stage teaches every task,
+those whose best is its own starting checkpoint included (retention: they are held where they are while the
+others move), and is skipped when every task's teacher is its start. ``train/retention.py`` adds replay of
+earlier domains with a KL to their best checkpoints in RL stages, and early stopping of distill stages.
 
 stages.json is also the pipeline's state: the plan (with inserted stages) and the finished stages' results, so
 ``--resume`` skips finished stages and resumes the interrupted one from its own checkpoint.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.rollout.multi_turn import evaluate
 from polyrl.train.checkpoint import latest_checkpoint
 from polyrl.train.loop import train
+from polyrl.train.retention import distill_until_within, replay_weights, validation_config
 from polyrl.train.sft import train_sft
 
 STATE = "stages.json"
@@ -77,31 +81,43 @@ def _same_model(a: str, b: str) -> bool:
     return Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve()
 
 
+def _teacher(label: str, task: str, best: dict[str, dict]) -> str:
+    if task not in best:
+        raise ConfigError(f"stage {label}: no registry entry for task '{task}' to teach it")
+    return best[task]["checkpoint"]
+
+
 def stage_config(
-    base: Config, stage: StageConfig, label: str, model: str, best: dict[str, dict]
+    base: Config, stage: StageConfig, label: str, model: str, best: dict[str, dict], earlier: list[str] = ()
 ) -> Config | None:
     """The plain single-run config of one stage: its tasks, overrides and teachers, starting from ``model``.
 
-    A distill stage leaves out every task whose teacher is ``model`` itself (the stage's starting checkpoint):
-    its reverse KL is 0 from the start, yet AdamW normalises the near-zero gradients into full-size steps, so
-    distilling it could only move it away from its best. Such tasks are not sampled at all rather than sampled
-    with their distill loss masked: masked rows would still cost rollouts and take batch slots from the tasks
-    that do have a teacher. None when no task is left, i.e. the stage has nothing to do.
+    An rl stage with ``replay`` also samples the tasks in ``earlier`` (trained by earlier stages) that are
+    not its own, with ``retain_coef`` as the weight of the reverse KL to their best checkpoints.
+
+    A distill stage teaches every task, including those whose teacher is ``model`` itself: alone, such a
+    task's reverse KL is 0 and AdamW would normalise its near-zero gradients into full-size steps, but next to
+    tasks with other teachers it holds the task where it is while the shared weights move. None when every
+    task's teacher is ``model``, i.e. the stage has nothing to do.
     """
     data = base.model_dump(mode="json", exclude={"stages", "pipeline"})
     data["name"] = f"{base.name}-{label}"
     data["model"]["name"] = model
-    data["tasks"] = [t for t in data["tasks"] if not stage.tasks or t["name"] in stage.tasks]
-    for t in data["tasks"]:
+    own = [t for t in data["tasks"] if not stage.tasks or t["name"] in stage.tasks]
+    replayed = [t for t in data["tasks"] if stage.replay and t["name"] in earlier and t not in own]
+    weights = replay_weights({t["name"]: t["weight"] for t in own}, [t["name"] for t in replayed], stage.replay)
+    data["tasks"] = [t for t in data["tasks"] if t in own or t in replayed]
+    for t in replayed:
+        t["teacher"] = _teacher(label, t["name"], best) if stage.retain_coef else None
+    if replayed and stage.retain_coef:
+        data["algorithm"]["distill_coef"] = stage.retain_coef
+    for t in own:
         spec = stage.teachers.get(t["name"]) or t["teacher"] or ("best" if stage.kind == "distill" else None)
-        if spec == "best":
-            if t["name"] not in best:
-                raise ConfigError(f"stage {label}: no registry entry for task '{t['name']}' to teach it")
-            spec = best[t["name"]]["checkpoint"]
-        t["teacher"] = spec
+        t["teacher"] = _teacher(label, t["name"], best) if spec == "best" else spec
+    for t in data["tasks"]:
+        t["weight"] = weights[t["name"]]
     if stage.kind == "distill":
-        data["tasks"] = [t for t in data["tasks"] if not _same_model(t["teacher"], model)]
-        if not data["tasks"]:
+        if all(_same_model(t["teacher"], model) for t in data["tasks"]):
             return None
         # pure on-policy distillation unless the stage's algorithm says otherwise
         data["algorithm"].update(pg_coef=0.0, distill_coef=1.0)
@@ -154,6 +170,16 @@ def _label(index: int, entry: dict[str, Any]) -> str:
     return f"{index + 1}-{entry['stage']['name']}"
 
 
+def _trained_before(state: dict[str, Any], index: int) -> list[str]:
+    """Tasks that the sft / rl stages of the plan before ``index`` trained on."""
+    names: list[str] = []
+    for entry in state["plan"][:index]:
+        stage = entry["stage"]
+        if stage["kind"] in ("sft", "rl"):
+            names += [t for t in stage["tasks"] or state["tasks"] if t not in names]
+    return names
+
+
 def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print) -> dict[str, Any]:
     """Run ``config.stages`` in order into ``run_dir`` (or resume it); returns the state written to stages.json."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -173,37 +199,57 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
         log(f"base: {json.dumps(base_eval)}")
         _save(run_dir, state, threshold)
     index = len(state["rows"]) - 1  # plan entries already done
+    checked: dict[str, dict[str, float]] = {}
+    checking = validation_config(config)
+
+    def validate(model: str) -> dict[str, float]:
+        """Validation accuracy of a checkpoint, each evaluated once."""
+        if model not in checked:
+            checked[model] = evaluate_domains(checking, model)
+        return checked[model]
+
     while index < len(state["plan"]):
         entry = state["plan"][index]
         stage, label = StageConfig.model_validate(entry["stage"]), _label(index, entry)
         stage_dir = run_dir / "stages" / label
         start = state["rows"][-1]["checkpoint"]
-        cfg = stage_config(config, stage, label, start, registry(state["rows"]))
+        cfg = stage_config(config, stage, label, start, registry(state["rows"]), _trained_before(state, index))
         extra: dict[str, Any] = {}
+        if cfg is not None and stage.kind == "rl" and cfg.algorithm.distill_coef > 0:
+            extra["retain_teachers"] = {t.name: t.teacher for t in cfg.tasks if t.teacher}
+        if cfg is not None and len(cfg.tasks) > 1:
+            extra["mixture"] = {t.name: t.weight for t in cfg.tasks}
         if stage.kind == "distill":
-            planned = stage.tasks or [t.name for t in config.tasks]
-            kept = {t.name: t.teacher for t in cfg.tasks} if cfg is not None else {}
-            extra = {"teachers": kept, "left_out": [t for t in planned if t not in kept]}
-            for task, teacher in kept.items():
-                log(f"stage {label}: distill {task} from {teacher}")
-            for task in extra["left_out"]:
-                log(f"stage {label}: {task} left out of distillation: its teacher is the stage's start ({start})")
-        if cfg is None:  # a distill stage with no task left: no training step, the weights stay as they are
+            extra["teachers"] = {t.name: t.teacher for t in cfg.tasks} if cfg is not None else {}
+            for task, teacher in extra["teachers"].items():
+                how = "retained as it is (its best is the stage's start)" if _same_model(teacher, start) else \
+                    f"distilled from {teacher}"
+                log(f"stage {label}: {task} {how}")
+        t0 = time.perf_counter()
+        if cfg is None:  # a distill stage with nothing to teach: no training step, the weights stay as they are
             log(f"stage {label}: skipped, every task's teacher is its starting checkpoint")
             ckpt, result, summary = start, dict(state["rows"][-1]["eval"]), {"steps": 0, "train_time_s": 0.0}
         else:
             log(f"stage {label} ({stage.kind}, {stage.steps} steps, tasks: {', '.join(t.name for t in cfg.tasks)})")
-            run_stage = train_sft if stage.kind == "sft" else train
-            summary = run_stage(cfg, stage_dir, resume=resume and stage_dir.exists(), log=log)
-            ckpt = latest_checkpoint(stage_dir)
-            if ckpt is None:
-                raise RuntimeError(f"stage {label}: finished without a checkpoint in {stage_dir}")
+            if stage.kind == "distill" and stage.until_within is not None:
+                summary = distill_until_within(cfg, stage_dir, stage.steps, stage.eval_every, stage.until_within,
+                                               validate, resume=resume, log=log)
+                ckpt = summary["checkpoint"]
+                extra["early_stop"] = {k: summary[k] for k in ("kept_part", "parts", "teacher_validation")}
+            else:
+                run_stage = train_sft if stage.kind == "sft" else train
+                summary = run_stage(cfg, stage_dir, resume=resume and stage_dir.exists(), log=log)
+                ckpt = latest_checkpoint(stage_dir)
+                if ckpt is None:
+                    raise RuntimeError(f"stage {label}: finished without a checkpoint in {stage_dir}")
             result = evaluate_domains(config, str(ckpt))
         regressions = find_regressions(state["rows"], result, threshold)
+        steps = summary.get("steps") or 0
         state["rows"].append({
             "label": label, "kind": stage.kind, "checkpoint": str(ckpt), "eval": result,
-            "regressions": regressions, "steps": summary.get("steps"), "train_time_s": summary.get("train_time_s"),
-            **extra,
+            "regressions": regressions, "steps": steps, "train_time_s": summary.get("train_time_s"),
+            "samples": steps * config.rollout.prompts_per_step * config.rollout.group_size,
+            "wall_s": time.perf_counter() - t0, **extra,
         })
         log(f"{label}: {json.dumps(result)}")
         for task, r in regressions.items():

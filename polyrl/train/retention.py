@@ -1,0 +1,102 @@
+"""Keeping earlier domains through a cascade: replay with retention KL in RL stages, early-stopped distillation.
+
+Two mechanisms on top of Cascade RL's stages (Wang et al. 2025, "Nemotron-Cascade"), chosen for the pipeline
+in docs/multidomain.md:
+
+- replay: an RL stage also samples a share of prompts from the tasks that earlier stages trained, and on those
+  rows adds the reverse KL to each task's best checkpoint (on-policy distillation, Agarwal et al. 2024,
+  interleaved with RL as in multi-teacher on-policy distillation). The policy gradient still applies to every
+  row, so earlier domains keep being practised against their own reward.
+- early stopping: a distill stage runs in parts of ``eval_every`` steps and stops once every task's accuracy on
+  validation items (disjoint from the reported held-out items) is within ``until_within`` of its teacher's,
+  or its step budget ends; it keeps the part (possibly the start) whose worst gap to the teachers is smallest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from polyrl.config import Config, load_config
+from polyrl.train.checkpoint import latest_checkpoint
+from polyrl.train.loop import train
+
+# Validation items come from the tasks' held-out generator under seed + this offset: reasoning-gym item i of
+# seed s is generated from s + i, so with eval_size below the offset they never coincide with reported items.
+VALIDATION_SEED_OFFSET = 1_000_003
+# Each part of an early-stopped stage draws training items from its own seed, not the same ones again.
+PART_SEED_STRIDE = 100_003
+
+
+def replay_weights(own: dict[str, float], replayed: list[str], share: float) -> dict[str, float]:
+    """Sampling weights of the stage's own tasks and the replayed ones: the replayed tasks together get
+    ``share`` of the mass, split evenly; the own tasks keep their relative weights."""
+    if not replayed or share <= 0:
+        return dict(own)
+    total = sum(own.values())
+    each = share * total / ((1 - share) * len(replayed))
+    return {**own, **{name: each for name in replayed}}
+
+
+def worst_gap(accuracy: dict[str, float], target: dict[str, float]) -> float:
+    """The smallest accuracy - target over the tasks of ``target`` (negative: some task is below its target)."""
+    return min(accuracy[t] - target[t] for t in target)
+
+
+def choose_part(history: list[dict[str, Any]], target: dict[str, float], tolerance: float) -> int:
+    """Index of the part to keep: the first within ``tolerance`` of every target, else the best worst gap
+    (the earliest on a tie)."""
+    for i, part in enumerate(history):
+        if worst_gap(part["validation"], target) >= -tolerance:
+            return i
+    gaps = [worst_gap(part["validation"], target) for part in history]
+    return gaps.index(max(gaps))
+
+
+def validation_config(config: Config) -> Config:
+    """``config`` evaluating ``pipeline.validation_size`` items per task from the validation seed."""
+    data = config.model_dump(mode="json")
+    data["train"]["seed"] = config.train.seed + VALIDATION_SEED_OFFSET
+    for task in data["tasks"]:
+        task["eval_size"] = config.pipeline.validation_size
+    return load_config("validation", data=data)
+
+
+def distill_until_within(
+    config: Config,
+    stage_dir: Path,
+    budget: int,
+    every: int,
+    tolerance: float,
+    validate: Callable[[str], dict[str, float]],
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the distill stage ``config`` in parts of ``every`` steps (at most ``budget`` in all) until every
+    task's validation accuracy is within ``tolerance`` of its teacher's; returns the kept checkpoint, the
+    parts' history, the steps taken and their training time."""
+    teachers = {t.name: t.teacher for t in config.tasks}
+    target = {task: validate(teacher)[task] for task, teacher in teachers.items()}
+    start = config.model.name
+    history = [{"steps": 0, "checkpoint": start, "validation": validate(start)}]
+    steps, train_time = 0, 0.0
+    log(f"{stage_dir.name}: teachers' validation {target}, start {history[0]['validation']}")
+    while worst_gap(history[-1]["validation"], target) < -tolerance and steps < budget:
+        n = min(every, budget - steps)
+        data = config.model_dump(mode="json")
+        data["model"]["name"] = history[-1]["checkpoint"]
+        data["train"]["steps"] = n
+        data["train"]["seed"] = config.train.seed + PART_SEED_STRIDE * len(history)
+        part_dir = stage_dir / f"part-{len(history)}"
+        summary = train(load_config(part_dir.name, data=data), part_dir, resume=resume and part_dir.exists(), log=log)
+        ckpt = latest_checkpoint(part_dir)
+        if ckpt is None:
+            raise RuntimeError(f"{part_dir}: finished without a checkpoint")
+        steps += n
+        train_time += summary.get("train_time_s", 0.0)
+        history.append({"steps": steps, "checkpoint": str(ckpt), "validation": validate(str(ckpt))})
+        log(f"{stage_dir.name}: after {steps} steps, validation {history[-1]['validation']}")
+    kept = choose_part(history, target, tolerance)
+    return {"checkpoint": history[kept]["checkpoint"], "kept_part": kept, "parts": history,
+            "teacher_validation": target, "steps": steps, "train_time_s": train_time}

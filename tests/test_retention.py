@@ -1,0 +1,129 @@
+"""Retention in a cascade: replay of earlier domains with a KL to their best checkpoints in RL stages, and
+distill stages stopped early on validation items (polyrl/train/retention.py), on the tiny random model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from polyrl.config import load_config
+from polyrl.train import pipeline, retention
+from tests.test_pipeline import write_config
+
+
+def test_replay_weights_give_the_replayed_tasks_their_share():
+    # own weights 1 and 3 (total 4); share 0.5 -> replayed mass 4, two tasks -> 2 each: 4 / (4 + 4) = 0.5.
+    assert retention.replay_weights({"a": 1.0, "b": 3.0}, ["c", "d"], 0.5) == {"a": 1.0, "b": 3.0, "c": 2.0, "d": 2.0}
+    # share 0.25 of one own task of weight 1: replayed 1/3, i.e. (1/3) / (1 + 1/3) = 0.25.
+    assert retention.replay_weights({"a": 1.0}, ["c"], 0.25)["c"] == pytest.approx(1 / 3)
+    assert retention.replay_weights({"a": 1.0}, [], 0.5) == {"a": 1.0}
+
+
+def test_choose_part_stops_at_the_first_within_tolerance_else_the_best_worst_gap():
+    target = {"a": 0.60, "b": 0.40}
+    parts = [{"validation": {"a": 0.50, "b": 0.40}},   # worst gap -0.10
+             {"validation": {"a": 0.59, "b": 0.36}},   # -0.04
+             {"validation": {"a": 0.59, "b": 0.39}},   # -0.01: the first within 0.02
+             {"validation": {"a": 0.70, "b": 0.50}}]
+    assert retention.worst_gap(parts[1]["validation"], target) == pytest.approx(-0.04)
+    assert retention.choose_part(parts, target, 0.02) == 2
+    assert retention.choose_part(parts[:2], target, 0.02) == 1  # none within: the smallest shortfall
+    assert retention.choose_part(parts[:1], target, 0.2) == 0   # the start is kept when it is already close
+
+
+def test_validation_items_differ_from_the_reported_ones(tmp_path):
+    cfg = load_config(write_config(tmp_path / "c.yaml", [{"name": "rl", "steps": 1}],
+                                   pipeline={"validation_size": 3}))
+    val = retention.validation_config(cfg)
+    assert [t.eval_size for t in val.tasks] == [3, 3]
+    from polyrl.envs.base import make_task
+
+    reported = make_task(cfg.tasks[1], cfg.train.seed).eval_items()
+    checked = make_task(val.tasks[1], val.train.seed).eval_items()
+    assert len(checked) == 3 and not {i["question"] for i in reported} & {i["question"] for i in checked}
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ({"name": "d", "kind": "distill", "steps": 1, "replay": 0.5}, "apply to rl stages"),
+    ({"name": "r", "steps": 1, "retain_coef": 1.0}, "needs replay"),
+    ({"name": "r", "steps": 1, "until_within": 0.02}, "applies to distill stages"),
+])
+def test_retention_keys_on_the_wrong_stage_are_config_errors(tmp_path, bad, msg):
+    with pytest.raises(Exception, match=msg):
+        load_config(write_config(tmp_path / "c.yaml", [bad]))
+
+
+def test_replay_stage_samples_earlier_tasks_with_a_kl_to_their_best(tmp_path, monkeypatch):
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+              {"name": "rl_b", "tasks": ["basic_arithmetic"], "steps": 2, "replay": 0.5, "retain_coef": 0.5}]
+    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
+    script = iter([{"chain_sum": 0.2, "basic_arithmetic": 0.5},   # base
+                   {"chain_sum": 0.6, "basic_arithmetic": 0.3},   # 1-rl_a: chain_sum's best
+                   {"chain_sum": 0.6, "basic_arithmetic": 0.6}])  # 2-rl_b
+    monkeypatch.setattr(pipeline, "evaluate_domains", lambda config, model: next(script))
+    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
+    stage_a, stage_b = state["rows"][1], state["rows"][2]
+    assert "mixture" not in stage_a and "retain_teachers" not in stage_a  # nothing earlier to replay
+    assert stage_b["mixture"] == {"chain_sum": 1.0, "basic_arithmetic": 1.0}
+    assert stage_b["retain_teachers"] == {"chain_sum": stage_a["checkpoint"]}
+    b_cfg = yaml.safe_load((tmp_path / "run/stages/2-rl_b/config.yaml").read_text())
+    assert {t["name"]: t["teacher"] for t in b_cfg["tasks"]} == {"chain_sum": stage_a["checkpoint"],
+                                                                 "basic_arithmetic": None}
+    assert b_cfg["algorithm"]["distill_coef"] == 0.5 and b_cfg["algorithm"]["pg_coef"] == 1.0
+    metrics = [json.loads(x) for x in (tmp_path / "run/stages/2-rl_b/metrics.jsonl").read_text().splitlines()]
+    # Both tasks were sampled, and the rows of chain_sum carried a KL to its teacher.
+    assert any("reward/chain_sum" in m for m in metrics) and any("reward/basic_arithmetic" in m for m in metrics)
+    assert any(m.get("distill/reverse_kl", 0) > 0 for m in metrics)
+
+
+def _scripted(held_out: list[dict], validation: dict[str, dict]):
+    """evaluate_domains with scripted results: the reported held-out items in order, validation by model."""
+    reported = iter(held_out)
+
+    def evaluate(config, model):
+        if config.train.seed >= retention.VALIDATION_SEED_OFFSET:
+            return validation[model.rstrip("/").split("/stages/")[-1]]
+        return next(reported)
+    return evaluate
+
+
+def test_distill_stops_once_every_task_is_within_tolerance(tmp_path, monkeypatch):
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+              {"name": "distill", "kind": "distill", "steps": 6, "until_within": 0.02, "eval_every": 2}]
+    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
+    # basic_arithmetic's teacher is the base (validation 0.5); the distill start is at 0.3, after 2 steps at 0.49.
+    validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.5},
+                  "1-rl_a/checkpoints/step-1": {"chain_sum": 0.6, "basic_arithmetic": 0.3},
+                  "2-distill/part-1/checkpoints/step-2": {"chain_sum": 0.6, "basic_arithmetic": 0.49}}
+    held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.5}, {"chain_sum": 0.6, "basic_arithmetic": 0.3},
+                {"chain_sum": 0.6, "basic_arithmetic": 0.5}]
+    monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, validation))
+    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
+    row = state["rows"][2]
+    assert row["steps"] == 2 and row["samples"] == 2 * 2 * 2  # one part of 2 steps, not the budget of 6
+    assert row["checkpoint"].endswith("2-distill/part-1/checkpoints/step-2")
+    assert row["early_stop"]["kept_part"] == 1
+    assert row["early_stop"]["teacher_validation"] == {"chain_sum": 0.6, "basic_arithmetic": 0.5}
+    assert [p["steps"] for p in row["early_stop"]["parts"]] == [0, 2]
+    assert not (tmp_path / "run/stages/2-distill/part-2").exists()
+
+
+def test_distill_at_the_end_of_its_budget_keeps_the_best_part(tmp_path, monkeypatch):
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+              {"name": "distill", "kind": "distill", "steps": 3, "until_within": 0.02, "eval_every": 2}]
+    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
+    validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.5},
+                  "1-rl_a/checkpoints/step-1": {"chain_sum": 0.6, "basic_arithmetic": 0.3},
+                  "2-distill/part-1/checkpoints/step-2": {"chain_sum": 0.55, "basic_arithmetic": 0.44},
+                  "2-distill/part-2/checkpoints/step-1": {"chain_sum": 0.4, "basic_arithmetic": 0.5}}
+    held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.5}, {"chain_sum": 0.6, "basic_arithmetic": 0.3},
+                {"chain_sum": 0.55, "basic_arithmetic": 0.45}]
+    monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, validation))
+    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
+    row = state["rows"][2]
+    # Parts of 2 and 1 steps (budget 3); neither within 0.02, part 1 falls least short (-0.06 against -0.2).
+    assert [p["steps"] for p in row["early_stop"]["parts"]] == [0, 2, 3] and row["steps"] == 3
+    assert row["early_stop"]["kept_part"] == 1
+    assert row["checkpoint"].endswith("2-distill/part-1/checkpoints/step-2")
