@@ -1,8 +1,9 @@
 """A batching queue in front of the engine: the requests of concurrent episodes go into one ``generate`` call.
 
 Requests wait in the queue while the engine is busy; when it is free, everything queued (with the same
-sampling settings) goes in one batch. A lone request waits up to ``window_s`` for company, or less when
-``expected`` says how many callers there are and all of them are waiting. Each request's own token limit and
+sampling settings) goes in one batch. Before a batch starts, the queue stays open while requests keep arriving
+(each within ``window_s`` of the last, for at most ``max_wait_s``), or until every caller ``expected`` (an
+agent rollout's live episodes) is waiting. Each request's own token limit and
 stop strings end its rows through the engine's ``stop`` hook, so one long request does not lengthen the others.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,11 +37,11 @@ class Job:
 class Batcher:
     """Runs in the server's event loop; the engine runs in one worker thread, one batch at a time."""
 
-    def __init__(self, engine: Any, window_s: float = 0.02, max_rows: int = 256) -> None:
+    def __init__(self, engine: Any, window_s: float = 0.05, max_wait_s: float = 0.25, max_rows: int = 256) -> None:
         self.engine = engine
-        self.window_s, self.max_rows = window_s, max_rows
+        self.window_s, self.max_wait_s, self.max_rows = window_s, max_wait_s, max_rows
         self.seed = 0
-        self.expected: int | None = None
+        self.expected: Callable[[], int] | None = None
         """How many callers share the engine now (an agent rollout's live episodes); None when unknown."""
         self.batches = 0
         self.batch_rows: list[int] = []
@@ -90,10 +92,13 @@ class Batcher:
                     self._busy = False
 
     async def _gather(self) -> None:
-        """Wait for more requests while the window is open and not every caller is waiting yet."""
-        deadline = self._queue[0].queued_at + self.window_s
-        while time.monotonic() < deadline and (self.expected is None or len(self._queue) < self.expected):
-            await asyncio.sleep(min(0.002, max(0.0, deadline - time.monotonic())))
+        """Wait for more requests while they keep coming (each within ``window_s`` of the last, for at most
+        ``max_wait_s``) and not every caller is waiting yet."""
+        while self.expected is None or len(self._queue) < self.expected():
+            deadline = min(self._queue[0].queued_at + self.max_wait_s, self._queue[-1].queued_at + self.window_s)
+            if time.monotonic() >= deadline:
+                return
+            await asyncio.sleep(min(0.002, deadline - time.monotonic()))
 
     def _take(self) -> list[Job]:
         key = (self._queue[0].temperature, self._queue[0].top_p)

@@ -10,9 +10,11 @@ the endpoint refuses, or returns something that is not a finite number; its grou
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import numbers
+import ssl
 import threading
 import time
 import uuid
@@ -73,11 +75,20 @@ def _reward(result: Any) -> tuple[float, dict[str, Any]]:
     return float(reward), info
 
 
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """One context for every client: the endpoint is plain http on loopback, but an httpx client builds a
+    TLS context (loading the CA bundle, ~50 ms of CPU) unless it is given one."""
+    return ssl.create_default_context()
+
+
 def _play(task: AgentTask, url: str, item: dict[str, Any], out: dict[str, Any]) -> None:
     timeout = task.config.timeout_s
 
     async def main() -> Any:
-        async with openai.AsyncOpenAI(base_url=url, api_key="polyrl", max_retries=0, timeout=timeout) as client:
+        http = openai.DefaultAsyncHttpxClient(verify=_tls_context())
+        async with openai.AsyncOpenAI(base_url=url, api_key="polyrl", max_retries=0, timeout=timeout,
+                                      http_client=http) as client:
             return await asyncio.wait_for(task.agent(client, item), timeout)
 
     try:
@@ -100,11 +111,13 @@ def run_episodes(
     for (task, *_), eid in zip(episodes, ids, strict=True):
         parser = parsers.setdefault(task.name, get_parser(task.config.tool_parser, endpoint.tokenizer))
         server.call(endpoint.open_episode, eid, parser)
-    endpoint.sampling, endpoint.batcher.seed, endpoint.batcher.expected = sampling, seed, len(episodes)
     results: list[dict[str, Any]] = [{} for _ in episodes]
     threads = [threading.Thread(target=_play, args=(task, server.episode_url(eid), item, out), daemon=True,
                                 name=f"agent-{task.name}-{item_id}")
                for (task, item_id, item, _), eid, out in zip(episodes, ids, results, strict=True)]
+    # A batch need not wait for company once every episode still running has a request queued.
+    endpoint.sampling, endpoint.batcher.seed = sampling, seed
+    endpoint.batcher.expected = lambda: sum(t.is_alive() for t in threads)
     start = time.monotonic()
     for t in threads:
         t.start()
