@@ -1,9 +1,12 @@
-"""A small name -> function registry, so ``algorithm.loss: gspo`` is one config line."""
+"""A small name -> function registry, so ``algorithm.loss: gspo`` is one config line; ``module:attr`` names a
+function of the user's own."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TypeVar
+
+from polyrl.loader import is_reference, load_object
 
 F = TypeVar("F", bound=Callable)
 
@@ -25,11 +28,19 @@ class Registry:
         return wrap
 
     def names(self) -> list[str]:
-        return sorted(self._items)
+        return sorted(n for n in self._items if not is_reference(n))
 
     def check(self, name: str, key: str) -> None:
+        """``name`` is registered, or a ``module:attr`` reference to the user's own function (imported from the
+        working directory and registered under that reference)."""
+        if name not in self._items and is_reference(name):
+            fn = load_object(name, key)
+            if not callable(fn):
+                raise ValueError(f"{key}: '{name}' is not callable; it must be a {self.kind} function")
+            self._items[name] = fn
         if name not in self._items:
-            raise ValueError(f"{key}: unknown {self.kind} '{name}'; valid: {', '.join(self.names())}")
+            raise ValueError(f"{key}: unknown {self.kind} '{name}'; valid: {', '.join(self.names())}, or "
+                             "module:attr")
 
     def __getitem__(self, name: str) -> Callable:
         self.check(name, key=self.kind)

@@ -54,8 +54,6 @@ class Rendered:
     context: str
     """The template text the prompt ids spell."""
     ids: list[int]
-    reused: bool = False
-    """True when the ids continue an earlier call's prompt and reply."""
 
 
 def _text(content: Any, where: str) -> str:
@@ -151,7 +149,7 @@ class Conversation:
                         continue
                     tail = tail[len(stop_text):]
                 ids = earlier.ids + s.token_ids + renderer.encode(tail)
-                return Rendered(template, full, ids, reused=True)
+                return Rendered(template, full, ids)
         return Rendered(template, full, renderer.encode(full))
 
     def reply(self, sample: Sample, parse_tools: bool) -> tuple[dict[str, Any], str]:
