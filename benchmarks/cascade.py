@@ -1,139 +1,183 @@
-"""Cascade RL over three domains, then multi-teacher on-policy distillation, on SmolLM2-135M-Instruct.
+"""Cascade RL over three domains with retention, against the plain cascade, on SmolLM2-135M-Instruct.
 
-Runs the pipeline of configs/cascade.yaml (one RL stage per domain: chain_sum, one-digit products, syllogisms;
-then a distill stage teaching every domain from its best checkpoint in the registry) and reports the
-domain x stage table of held-out accuracy, and whether every domain ends within ``--tolerance`` points of
-its best stage. Results go to benchmarks/results/cascade.json and the "## Cascade RL and distillation"
-section of docs/multidomain.md.
+Runs the pipeline of a cascade config (configs/cascade.yaml: chain_sum, one-digit products, syllogisms;
+configs/cascade_alt.yaml: letter counting, gcd, linear equations) for one seed and writes
+benchmarks/results/cascade/<config>-<variant>-s<seed>.json: the domain x stage table of held-out accuracy,
+whether every domain ends within ``--tolerance`` points of its best stage, the final mean over domains
+against the best single stage's, and the cost (samples, wall time). ``--plain`` runs the same stages without
+the retention mechanisms (no replay or retention KL, a distill stage of a fixed step count), the baseline of
+the cost. ``--table-only`` rewrites the block of docs/multidomain.md from every JSON there.
 
-    python benchmarks/cascade.py                                  # configs/cascade.yaml, ~35 min on 2 cores
-    python benchmarks/cascade.py --config configs/cascade.yaml --scale 0.2 --eval 20 \
-        --json /tmp/cascade.json --doc /tmp/multidomain.md        # a quick check of the script itself
+    python benchmarks/cascade.py --seed 0                                  # ~10 min on 2 idle cores
+    python benchmarks/cascade.py --config configs/cascade_alt.yaml --seed 1 --plain
+    python benchmarks/cascade.py --table-only
+    python benchmarks/cascade.py --scale 0.2 --eval 20 --out /tmp/c       # a quick check of the script itself
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
-import re
+import sys
 import tempfile
-import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_block import replace_block
+
 ROOT = Path(__file__).resolve().parents[1]
-HEADING = "## Cascade RL and distillation"
-INTRO = ("# Many tasks and domains\n\nTraining one policy on several domains: task mixtures and their "
-         "normalisation, and pipelines of stages with distillation between them.\n")
+OUT = ROOT / "benchmarks" / "results" / "cascade"
+START, END = "<!-- cascade:start -->", "<!-- cascade:end -->"
 
 
-def _config(path: Path, scale: float, eval_n: int | None, max_new: int | None):
+def plain_stage(stage: dict) -> dict:
+    """A stage of the plain cascade: no replay, no retention KL, no early stopping."""
+    return {k: v for k, v in stage.items() if k not in ("replay", "retain_coef", "until_within", "eval_every")}
+
+
+def machine() -> str:
+    """The CPU's model name and core count."""
+    name = platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        name = next((x.split(":", 1)[1].strip() for x in cpuinfo.read_text().splitlines()
+                     if x.startswith("model name")), name)
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def load(path: Path, seed: int, scale: float, eval_n: int | None, plain: bool):
     from polyrl.config import load_config
 
-    base = load_config(path)
-    overrides = [f"stages.{i}.steps={max(1, round(s.steps * scale))}" for i, s in enumerate(base.stages)]
+    data = load_config(path).model_dump(mode="json")
+    data["train"]["seed"] = seed
+    for stage in data["stages"]:
+        stage["steps"] = max(1, round(stage["steps"] * scale))
+    if plain:
+        data["stages"] = [plain_stage(s) for s in data["stages"]]
     if eval_n is not None:
-        overrides += [f"tasks.{i}.eval_size={eval_n}" for i in range(len(base.tasks))]
-    if max_new is not None:
-        overrides += [f"rollout.max_new_tokens={max_new}"]
-    return load_config(path, overrides), overrides
+        for task in data["tasks"]:
+            task["eval_size"] = eval_n
+    return load_config(path, data=data)
 
 
-def section(result: dict) -> str:
-    """The doc section: what ran, the table, and what it shows."""
-    ok = result["every_domain_within_tolerance"]
-    tol = result["tolerance_points"]
+def summarise(state: dict, tolerance: float) -> dict:
+    """Final minus best per domain (points), the final and best-stage means, and the cost."""
+    from polyrl.train.pipeline import registry
+
+    rows, tasks = state["rows"], state["tasks"]
+    best = registry(rows)
+    gaps = {t: round((rows[-1]["eval"][t] - best[t]["accuracy"]) * 100, 1) for t in tasks}
+    means = {r["label"]: 100 * sum(r["eval"][t] for t in tasks) / len(tasks) for r in rows}
+    best_stage = max(list(means)[:-1], key=lambda k: means[k])  # every column before the final one
+    return {
+        "final_minus_best_points": gaps,
+        "every_domain_within_tolerance": all(g >= -tolerance for g in gaps.values()),
+        "final_mean": round(means[rows[-1]["label"]], 2),
+        "best_stage_mean": round(means[best_stage], 2),
+        "best_stage": best_stage,
+        "final_mean_at_least_best_stage": means[rows[-1]["label"]] >= means[best_stage],
+        "samples": sum(r.get("samples") or 0 for r in rows[1:]),
+        "samples_per_stage": {r["label"]: r.get("samples") for r in rows[1:]},
+        "stage_wall_s": {r["label"]: round(r.get("wall_s") or 0.0, 1) for r in rows[1:]},
+        "train_time_s": {r["label"]: r.get("train_time_s") for r in rows[1:]},
+    }
+
+
+def seed_table(result: dict) -> str:
+    """One run's domain x stage table (held-out accuracy, %)."""
+    labels = list(result["accuracy"])
+    lines = ["| task | " + " | ".join(labels) + " | best | final - best |", "|" + " --- |" * (len(labels) + 3)]
+    for task, reg in result["registry"].items():
+        cells = [f"{result['accuracy'][k][task] * 100:.0f}" for k in labels]
+        lines.append(f"| {task} | " + " | ".join(cells) + f" | {reg['accuracy'] * 100:.0f} ({reg['stage']}) | "
+                     f"{result['final_minus_best_points'][task]:+.0f} |")
+    mean = " | ".join(f"{100 * sum(v.values()) / len(v):.1f}" for v in result["accuracy"].values())
+    lines.append(f"| mean | {mean} | | |")
+    return "\n".join(lines)
+
+
+def block(results: list[dict]) -> str:
+    """The doc block: a summary row per run, then each run's table."""
+    results = sorted(results, key=lambda r: (r["config"], r["variant"] != "retention", r["seed"]))
+    plain = {(r["config"], r["seed"]): r for r in results if r["variant"] == "plain"}
     lines = [
-        HEADING, "",
-        "`stages:` in a config declares a pipeline that `polyrl train` runs stage by stage (`sft`, `rl`, "
-        "`distill`), each a normal run in RUN_DIR/stages/<i>-<name>/ starting from the previous stage's "
-        "checkpoint, resumable with `--resume`. After every stage each task of the pipeline is evaluated "
-        "held-out; RUN_DIR/stages.md and stages.json hold the task x stage table and RUN_DIR/registry.json the "
-        "best checkpoint per task. A task that falls more than `pipeline.regression_threshold` below its best "
-        "is reported, and with `pipeline.on_regression: distill` a distill stage is inserted that teaches it "
-        "from that best checkpoint. A distill stage is multi-teacher on-policy distillation: the student "
-        "samples on each task's prompts and minimises the per-token reverse KL to that task's teacher "
-        "(`algorithms/distill.py`, GKD; `algorithm.distill_coef` also adds it to an RL loss).",
-        "",
-        f"Measured with `python benchmarks/cascade.py {' '.join(result['args'])}`".rstrip() + " on "
-        f"{result['machine']} ({result['wall_minutes']:.1f} min wall, the CPU shared with other jobs): "
-        f"{result['config']}, model {result['model']}, greedy held-out accuracy (%) on "
-        f"{result['eval_size']} items per task; stage steps {result['steps']}.",
-        "",
-        result["table"].rstrip(),
-        "",
-        f"Every domain ends within {tol:g} points of its best stage: **{'yes' if ok else 'no'}** "
-        f"(final minus best: {', '.join(f'{k} {v:+.1f}' for k, v in result['final_minus_best_points'].items())}).",
-        "",
+        "| config | variant | seed | worst final - best | within 2 | final mean | best stage mean | samples | "
+        "wall min | extra vs plain |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    return "\n".join(lines) + "\n" + result.get("notes", "") + "\n"
+    for r in results:
+        base = plain.get((r["config"], r["seed"]))
+        extra = ""
+        if base is not None and r["variant"] != "plain":
+            extra = (f"{r['samples'] / base['samples'] - 1:+.0%} samples, "
+                     f"{r['wall_minutes'] / base['wall_minutes'] - 1:+.0%} wall")
+        lines.append(
+            f"| {r['config']} | {r['variant']} | {r['seed']} | {min(r['final_minus_best_points'].values()):+.0f} | "
+            f"{'yes' if r['every_domain_within_tolerance'] else '**no**'} | {r['final_mean']:.1f} | "
+            f"{r['best_stage_mean']:.1f} ({r['best_stage']}) | {r['samples']} | {r['wall_minutes']:.1f} | {extra} |")
+    for r in results:
+        lines += ["", f"`{r['config']}`, {r['variant']}, seed {r['seed']} ({r['eval_size']} held-out items per "
+                      f"task, {r['machine']}):", "", seed_table(r)]
+    return "\n".join(lines)
 
 
-def write_section(doc: Path, text: str) -> None:
-    """Replace this section of the doc (up to the next ``## `` heading), keeping every other section."""
-    current = doc.read_text() if doc.exists() else INTRO
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(current):
-        updated = pattern.sub(lambda _m: text, current, count=1)
-    else:
-        updated = current.rstrip("\n") + "\n\n" + text
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(updated)
+def write_doc(doc: Path, out: Path) -> None:
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+    replace_block(doc, START, END, block(results), "Cascade RL and distillation")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", type=Path, default=ROOT / "configs" / "cascade.yaml")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plain", action="store_true", help="Without replay, retention KL and early stopping.")
     ap.add_argument("--scale", type=float, default=1.0, help="Multiply every stage's steps.")
     ap.add_argument("--eval", type=int, default=None, help="Held-out items per task (default: the config's).")
-    ap.add_argument("--max-new-tokens", type=int, default=None)
     ap.add_argument("--tolerance", type=float, default=2.0, help="Points a domain may end below its best.")
     ap.add_argument("--run-dir", type=Path, default=None, help="Keep the run here (default: a temp dir).")
-    ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "cascade.json")
+    ap.add_argument("--resume", action="store_true", help="Finish (or only summarise) the run in --run-dir.")
+    ap.add_argument("--out", type=Path, default=OUT, help="Folder of the JSON results.")
     ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "multidomain.md")
-    ap.add_argument("--notes", type=str, default="", help="A paragraph on what the numbers show.")
-    args, argv = ap.parse_args(), []
-    if args.config != ap.get_default("config"):
-        argv += ["--config", str(args.config)]
-    for flag in ("scale", "eval", "max_new_tokens"):
-        if getattr(args, flag) is not None and getattr(args, flag) != ap.get_default(flag):
-            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    ap.add_argument("--table-only", action="store_true", help="Only rewrite the doc block from --out.")
+    args = ap.parse_args()
+    if args.table_only:
+        write_doc(args.doc, args.out)
+        return
 
     from polyrl.train.pipeline import registry, run_pipeline, table_markdown
 
-    config, _ = _config(args.config, args.scale, args.eval, args.max_new_tokens)
+    config = load(args.config, args.seed, args.scale, args.eval, args.plain)
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="cascade-"))
-    t0 = time.perf_counter()
     state = run_pipeline(config, run_dir, resume=args.resume, log=lambda m: print(m, flush=True))
-    wall = (time.perf_counter() - t0) / 60
-    best = registry(state["rows"])
-    gaps = {t: round(g * 100, 1) for t, g in state["final_gap"].items()}
+    wall_s = sum(r.get("wall_s") or 0.0 for r in state["rows"][1:])  # the stages; the base eval is common
+    variant = "plain" if args.plain else "retention"
+    name = args.config.stem
     result = {
-        "args": argv,
         "config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config),
+        "variant": variant, "seed": args.seed, "scale": args.scale,
         "model": config.model.name,
-        "machine": f"{platform.machine()} CPU",
-        "wall_minutes": wall,
-        "eval_size": {t.name: t.eval_size for t in config.tasks},
-        "steps": {s.name: s.steps for s in config.stages},
+        "machine": machine(),
+        "wall_minutes": wall_s / 60,  # stages only, shared CPU
+        "eval_size": config.tasks[0].eval_size,
+        "stages": [s.model_dump(mode="json", exclude_defaults=True) for s in config.stages],
         "accuracy": {r["label"]: r["eval"] for r in state["rows"]},
-        "train_time_s": {r["label"]: r.get("train_time_s") for r in state["rows"][1:]},
         "regressions": {r["label"]: r.get("regressions", {}) for r in state["rows"][1:]},
-        "registry": {t: {"stage": v["stage"], "accuracy": v["accuracy"]} for t, v in best.items()},
-        "final_minus_best_points": gaps,
+        "early_stop": {r["label"]: r["early_stop"] for r in state["rows"] if "early_stop" in r},
+        "registry": {t: {"stage": v["stage"], "accuracy": v["accuracy"]} for t, v in registry(state["rows"]).items()},
         "tolerance_points": args.tolerance,
-        "every_domain_within_tolerance": all(g >= -args.tolerance for g in gaps.values()),
         "table": table_markdown(state, config.pipeline.regression_threshold),
-        "notes": args.notes,
+        **summarise(state, args.tolerance),
     }
-    sizes = set(result["eval_size"].values())
-    result["eval_size"] = sizes.pop() if len(sizes) == 1 else result["eval_size"]
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
-    write_section(args.doc, section(result))
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if args.scale == 1 else f"-x{args.scale:g}"
+    (args.out / f"{name}-{variant}-s{args.seed}{suffix}.json").write_text(json.dumps(result, indent=2))
+    if args.scale == 1 and args.eval is None:
+        write_doc(args.doc, args.out)
     print(result["table"])
-    print(json.dumps({k: result[k] for k in ("final_minus_best_points", "every_domain_within_tolerance")}))
+    print(json.dumps({k: result[k] for k in ("final_minus_best_points", "every_domain_within_tolerance",
+                                             "final_mean", "best_stage_mean", "samples", "wall_minutes")}))
 
 
 if __name__ == "__main__":
