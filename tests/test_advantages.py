@@ -10,6 +10,7 @@ from polyrl.algorithms import ADVANTAGES
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.algorithms.kl import kl_penalty_to_go
 from polyrl.train.batch import collate
+from polyrl.train.learner_terms import loss_advantages
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0])
 ONE_GROUP = torch.tensor([0, 0, 0, 0])
@@ -181,7 +182,7 @@ def test_learner_turns_rewards_into_gae_advantages_and_trains_the_critic():
     batch = collate(ts, pad_id=2)
     rewards = torch.tensor([t.reward for t in ts])
     # a fresh head predicts V = 0: A_t = (gamma lam)^(2 - t) R -> [0.9025, 0.95, 1] for R = 1, zeros for R = 0
-    adv, returns = learner._advantages(batch, rewards, torch.zeros(4, 3), None, torch.zeros(4, 3))
+    adv, returns = loss_advantages(learner.algo, batch, rewards, torch.zeros(4, 3), None, torch.zeros(4, 3))
     assert adv[1].tolist() == pytest.approx([0.9025, 0.95, 1.0]) and adv[0].tolist() == [0.0, 0.0, 0.0]
     assert torch.equal(returns, adv)
     before = [p.detach().clone() for p in learner.value_head.parameters()]

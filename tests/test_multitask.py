@@ -77,14 +77,12 @@ def test_cross_policy_split_leaves_the_learner_a_group():
 def test_learner_weights_cross_policy_tokens_by_truncated_is():
     from types import SimpleNamespace
 
-    from polyrl.train.learner import Learner
+    from polyrl.train.learner_terms import cross_policy_advantages
 
-    learner = Learner.__new__(Learner)
-    learner.is_cap = 2.0
     old = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
     behaviour = torch.log(torch.tensor([[0.5, 0.5], [0.1, 0.4]]))  # row 1 was sampled by another policy
     mb = SimpleNamespace(loss_mask=torch.ones(2, 2), behaviour_logp=behaviour)  # the fields it reads
-    adv, metrics = learner._cross_policy(mb, torch.tensor([False, True]), old, torch.tensor([1.0, -2.0]))
+    adv, metrics = cross_policy_advantages(mb, torch.tensor([False, True]), old, torch.tensor([1.0, -2.0]), 2.0)
     # row 0 keeps weight 1; row 1: min(0.5 / 0.1, 2) = 2 and 0.5 / 0.4 = 1.25
     assert adv.flatten().tolist() == pytest.approx([1.0, 1.0, -4.0, -2.5])
     assert metrics["cross_policy/is_weight"] == pytest.approx(1.625)

@@ -33,7 +33,7 @@ MIS = {"off_policy": "mis", "off_policy_kwargs": {"cap": 1.5, "drop": True}}
 CASES = [(agg, lora) for agg in ("token-mean", "seq-mean-token-mean") for lora in (False, True)]
 
 
-def _trajectories(n_groups: int = 3, group: int = 4, seed: int = 0) -> list[Trajectory]:
+def _trajectories(n_groups: int = 3, group: int = 4, seed: int = 0, tasks: int = 1) -> list[Trajectory]:
     """Groups with prompts and responses of different lengths (so ranks get unequal tokens), varied rewards."""
     rng = random.Random(seed)
     out = []
@@ -45,7 +45,7 @@ def _trajectories(n_groups: int = 3, group: int = 4, seed: int = 0) -> list[Traj
             resp = [rng.randrange(3, 60) for _ in range(2 + rng.randrange(6))]
             n = len(prompt) + len(resp)
             out.append(Trajectory(
-                task="t", item_id=g, group_id=g, input_ids=prompt + resp,
+                task=f"t{g % tasks}", item_id=g, group_id=g, input_ids=prompt + resp,
                 loss_mask=[0] * len(prompt) + [1] * len(resp), logprobs=[-1.0] * n, versions=[0] * n,
                 reward=rewards[i], advantage=rewards[i] - mean + 0.1 * i,
             ))
@@ -53,7 +53,7 @@ def _trajectories(n_groups: int = 3, group: int = 4, seed: int = 0) -> list[Traj
 
 
 def _update(agg: str, lora: bool, n_groups: int = 3, group: int = 4,
-            sharding: LearnerConfig | None = None, **algo_kw) -> tuple[dict, dict[str, torch.Tensor]]:
+            sharding: LearnerConfig | None = None, tasks: int = 1, **algo_kw) -> tuple[dict, dict[str, torch.Tensor]]:
     """One update of a tiny float32 policy; returns the metrics and the whole weights after it."""
     torch.manual_seed(0)  # LoRA's initial adapters come from the global generator
     model = load_model("tiny-random", LoraConfig(r=4, alpha=8) if lora else None, seed=3)
@@ -65,7 +65,7 @@ def _update(agg: str, lora: bool, n_groups: int = 3, group: int = 4,
     algo = AlgorithmConfig(loss_agg=agg, kl_coef=0.05, clip_high=0.28, **algo_kw)
     learner = Learner(model, algo, OptimConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.05), 1.0, False, pad_id=2,
                       sharding=sharding)
-    metrics = learner.update(_trajectories(n_groups, group))
+    metrics = learner.update(_trajectories(n_groups, group, tasks=tasks))
     gather_into(model, full)
     return metrics, {k: v.detach().clone() for k, v in full.state_dict().items()}
 
@@ -75,6 +75,7 @@ def _on_rank(path: str) -> None:
     results["one row"] = _update("token-mean", False, n_groups=1, group=1)
     results["checkpointed"] = _update("token-mean", False, sharding=LearnerConfig(activation_checkpointing=True))
     results["mis"] = _update("token-mean", False, **MIS)
+    results["pcgrad"] = _update("seq-mean-token-mean", True, n_groups=4, tasks=2, gradient_surgery="pcgrad")
     if current().is_main:
         torch.save(results, path)
 
@@ -132,6 +133,19 @@ def test_mismatch_metrics_and_sequence_correction_are_global(two_ranks):
         assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-5, abs=1e-7), key
     for name, w in one_weights.items():
         assert float((two_weights[name] - w).norm() / w.norm()) <= 1e-5, name
+
+
+def test_task_gradients_and_pcgrad_are_global(two_ranks):
+    """Per-task gradient norms and cosines are over the whole gradient (shards' dot products summed over the
+    ranks), and PCGrad's projection gives the one-process update."""
+    one_metrics, one_weights = _update("seq-mean-token-mean", True, n_groups=4, tasks=2, gradient_surgery="pcgrad")
+    two_metrics, two_weights = two_ranks["pcgrad"]
+    keys = [k for k in one_metrics if k.startswith("task_grad/")]
+    assert len(keys) == 3
+    for key in [*keys, "loss", "grad_norm"]:
+        assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-4, abs=1e-6), key
+    for name, w in one_weights.items():
+        assert float((two_weights[name] - w).norm() / w.norm().clamp(min=1e-12)) <= 1e-5, name
 
 
 def test_nccl_keeps_gloo_beside_it_for_host_tensors():

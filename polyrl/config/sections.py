@@ -231,6 +231,13 @@ class AlgorithmConfig(_Strict):
     mismatch_band: float = Field(0.2, gt=0)
     """Band of the always-logged ``mismatch/beyond_band_frac``: the fraction of tokens whose ratio between
     the learner's and the engine's probability leaves [1 - band, 1 + band]."""
+    gradient_surgery: Literal["none", "pcgrad"] = "none"
+    """pcgrad: each task's gradient is projected off the other tasks' gradients it conflicts with (Yu et al.
+    2020), at the cost of one forward and backward pass per task of the batch. The task_grad/ metrics are then
+    logged every step."""
+    task_grad_every: int = Field(0, ge=0)
+    """Every this many steps, log each task's gradient norm (task_grad/norm/<task>) and the cosine between
+    every two tasks' gradients (task_grad/cos/<a>/<b>), from one pass per task; 0 is off."""
     tis_cap: float = Field(2.0, gt=0)
     """Truncation C of the importance weight min(pi_prox / pi_behaviour, C) (off_policy: tis)."""
     m2po_tau: float = Field(0.04, ge=0)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 from functools import partial
@@ -11,10 +12,10 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
-from polyrl.algorithms import LOSSES, aggregate, kl_estimate, kl_penalty_to_go
+from polyrl.algorithms import LOSSES, aggregate, kl_estimate
 from polyrl.algorithms.corrections import correct_off_policy, truncated_importance_weight
 from polyrl.algorithms.distill import reverse_kl_loss
-from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
+from polyrl.algorithms.gae import ValueHead, value_loss
 from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED
 from polyrl.algorithms.mismatch import mismatch_metrics, mismatch_sums
 from polyrl.algorithms.validate import takes_behaviour
@@ -22,8 +23,10 @@ from polyrl.config import AlgorithmConfig, LearnerConfig, OptimConfig
 from polyrl.parallel.fsdp import clip_grad_norm, shard_module
 from polyrl.parallel.group import balanced_shards, current, merge_rank_metrics
 from polyrl.train.batch import Batch, collate
+from polyrl.train.learner_terms import accumulate, add_sums, cross_policy_advantages, detach, loss_advantages
 from polyrl.train.logprobs import response_logits
 from polyrl.train.policy_pass import PolicyPass
+from polyrl.train.task_gradients import combine, put_local_grads, take_local_grads
 from polyrl.types import Trajectory
 
 
@@ -172,24 +175,28 @@ class Learner:
         # Each row's task, so a micro-batch finds its rows' teachers (rows keep the sorted order).
         row_tasks = [t.task for t in trajectories]
         mismatch: dict[str, float] = {}  # engine vs learner log-probs, summed over this rank's micro-batches
-        for epoch in range(algo.epochs):
-            self.optimizer.zero_grad(set_to_none=True)
+
+        def passes(epoch: int, rows: torch.Tensor | None = None, n_passes: int = 1) -> None:
+            """Forward and backward over this rank's micro-batches, adding into the gradients; ``rows``: 0/1 per
+            row of the batch, the rows that count (one task's), of ``n_passes`` that make up the batch."""
             for k, (c, mb) in enumerate(zip(chunks, micro_batches, strict=True)):
+                if rows is not None:  # one task's passes: the other tasks' rows count for nothing
+                    mb = dataclasses.replace(mb, loss_mask=mb.loss_mask * rows[c][:, None])
                 # token-mean shares the global token count; the seq-mean modes weight by sequences.
                 share = 1.0 if algo.loss_agg == "token-mean" else mb.targets.shape[0] / len(trajectories)
                 share *= real[k]
                 logp, entropy, values, logits = self._forward(mb, entropy_grad=algo.entropy_coef != 0)
-                old_logp, old_values = old[k] if old is not None else (logp.detach(), _detach(values))
+                old_logp, old_values = old[k] if old is not None else (logp.detach(), detach(values))
                 ref_logp = ref[k] if ref is not None else None
-                advantages, returns = self._advantages(mb, rewards[c], old_logp, ref_logp, old_values)
+                advantages, returns = loss_advantages(algo, mb, rewards[c], old_logp, ref_logp, old_values)
                 if epoch == 0 and real[k]:  # another model's rows (cross-policy) are no engine mismatch
                     own = mb.loss_mask * ~cross[c][:, None]
-                    _add_sums(mismatch, mismatch_sums(old_logp, mb.behaviour_logp, own, algo.mismatch_band))
+                    add_sums(mismatch, mismatch_sums(old_logp, mb.behaviour_logp, own, algo.mismatch_band))
                 # Tokens another policy sampled (rollout.cross_policy): weight by min(pi_old / mu, cap), unless
                 # algorithm.off_policy already corrects every row.
                 x_metrics = {}
                 if algo.off_policy == "none" and any_cross and bool(cross[c].any()):
-                    advantages, x_metrics = self._cross_policy(mb, cross[c], old_logp, advantages)
+                    advantages, x_metrics = cross_policy_advantages(mb, cross[c], old_logp, advantages, self.is_cap)
                 # Replayed samples (data/replay.py) are off-policy; algorithm.off_policy, when set, corrects them
                 # with every other row, so this one is only for the otherwise on-policy case.
                 if algo.off_policy == "none" and bool(mb.replayed.any()):
@@ -236,7 +243,25 @@ class Learner:
                 parts["loss"] = float(loss.detach())
                 for key, v in parts.items():
                     totals[key] = totals.get(key, 0.0) + v / algo.epochs
-                _accumulate(means, m, algo.epochs * real_total)
+                accumulate(means, m, algo.epochs * real_total * n_passes)
+
+        task_names = sorted({t.task for t in trajectories})
+        per_task = len(task_names) > 1 and (algo.gradient_surgery != "none" or (
+            algo.task_grad_every > 0 and self.scheduler.last_epoch % algo.task_grad_every == 0))
+        task_metrics: dict[str, float] = {}
+        for epoch in range(algo.epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            if per_task:  # the passes once per task, then the tasks' gradients combined (train/task_gradients.py)
+                grads = []
+                for name in task_names:
+                    rows = torch.tensor([float(t.task == name) for t in trajectories], device=self.device)
+                    passes(epoch, rows, len(task_names))
+                    grads.append(take_local_grads(self.params))
+                combined, tm = combine(task_names, grads, algo.gradient_surgery, self.scheduler.last_epoch)
+                put_local_grads(self.params, combined)
+                task_metrics = task_metrics or tm  # the first epoch's: the gradients of the batch as sampled
+            else:
+                passes(epoch)
             grad_norm = clip_grad_norm(self.params, self.optim_cfg.grad_clip)
             if self.value_head is not None:  # clipped apart: a fresh critic's big gradients spare the policy
                 clip_grad_norm(list(self.value_head.parameters()), self.optim_cfg.grad_clip)
@@ -253,6 +278,7 @@ class Learner:
         sums = {key.removeprefix("mismatch/sum/"): totals.pop(key) for key in list(totals)
                 if key.startswith("mismatch/sum/")}
         totals.update(mismatch_metrics(sums))
+        totals.update(task_metrics)  # already the same on every rank (dot products summed over the ranks)
         totals.setdefault("kl", None)  # not measured: no reference was kept (kl_coef 0, track_kl off)
         totals.setdefault("skipped_updates", 0.0)
         return {**totals, **means, "zero_gradient": 0.0, "lr": self.scheduler.get_last_lr()[0]}
@@ -313,44 +339,6 @@ class Learner:
         return {"loss/pg": 0.0, "entropy": None, "loss": 0.0, "kl": None, "skipped_updates": 0.0, "grad_norm": 0.0,
                 "zero_gradient": 1.0, "lr": self.scheduler.get_last_lr()[0]}
 
-    def _cross_policy(
-        self, mb: Batch, rows: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Per-token advantages with truncated importance weights on the rows another policy sampled; the
-        learner's own rows keep weight 1. Metrics are over the cross-policy tokens."""
-        weights = truncated_importance_weight(old_logp, mb.behaviour_logp, self.is_cap)
-        weights = torch.where(rows[:, None] & (mb.loss_mask > 0), weights, torch.ones_like(weights))
-        per_token = advantages[:, None] if advantages.dim() == 1 else advantages
-        valid = (mb.loss_mask > 0) & rows[:, None]
-        w = weights[valid]
-        metrics = {"cross_policy/is_weight": float(w.mean()) if w.numel() else 1.0,
-                   "cross_policy/capped_frac": float((w >= self.is_cap).float().mean()) if w.numel() else 0.0}
-        return per_token * weights, metrics
-
-    def _advantages(
-        self,
-        mb: Batch,
-        rewards: torch.Tensor,
-        old_logp: torch.Tensor,
-        ref_logp: torch.Tensor | None,
-        old_values: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The advantages the loss sees ([B], or [B, T] with KL in the reward or GAE) and GAE's returns."""
-        algo = self.algo
-        kl = None
-        if algo.kl_in == "reward" and algo.kl_coef > 0 and ref_logp is not None:
-            kl = kl_estimate(old_logp, ref_logp, algo.kl_estimator).detach()
-        if self.value_head is None:
-            if kl is None:
-                return mb.advantages, None
-            per_token = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
-            return per_token + kl_penalty_to_go(kl, mb.loss_mask, algo.kl_coef), None
-        token_rewards = terminal_rewards(rewards, mb.loss_mask)
-        if kl is not None:
-            token_rewards = token_rewards - algo.kl_coef * kl * mb.loss_mask
-        advantages = gae(token_rewards, old_values, mb.loss_mask, algo.gamma, algo.lam)
-        return advantages, advantages + old_values
-
     def _forward(
         self, batch: Batch, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -376,23 +364,3 @@ class Learner:
                 has_teacher[idx] = 1.0
         return reverse_kl_loss(logits, teacher_logits, mb.loss_mask * has_teacher[:, None], self.algo.loss_agg,
                                num_tokens)
-
-
-def _detach(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.detach()
-
-
-def _add_sums(into: dict[str, float], sums: dict[str, float]) -> None:
-    for key, v in sums.items():
-        into[key] = max(into.get(key, v), v) if key.endswith("/max") else into.get(key, 0.0) + v
-
-
-def _accumulate(into: dict[str, float], metrics: dict[str, float], n: int) -> None:
-    """Average micro-batch metrics over ``n`` contributions; ``*/max`` and ``*/min`` take the extreme."""
-    for key, v in metrics.items():
-        if key.endswith("/max"):
-            into[key] = max(into.get(key, v), v)
-        elif key.endswith("/min"):
-            into[key] = min(into.get(key, v), v)
-        else:
-            into[key] = into.get(key, 0.0) + v / n
