@@ -209,3 +209,45 @@ def test_the_critic_is_part_of_the_learner_state():
     assert torch.equal(fresh.value_head(h), trained.value_head(h))
     with pytest.raises(ValueError, match="no value head"):
         fresh.load_state_dict(make_learner(track_kl=False).state_dict())
+
+
+def test_gated_shaping_pays_only_solved_episodes():
+    from polyrl.algorithms.shaping import gate_rewards
+
+    ts = fake_trajectories(3)
+    parts = [{"env": 1.0, "judge": 0.5, "overlong": -0.2}, {"env": 0.0, "judge": 0.8, "overlong": -0.1},
+             {"env": 0.0, "judge": 0.0, "overlong": 0.0}]
+    for t, p in zip(ts, parts, strict=True):
+        t.rewards, t.reward = dict(p), 0.5 * p["env"] + p["judge"] + p["overlong"]
+    m = gate_rewards(ts, outcome="env", threshold=1.0)
+    # solved: unchanged (0.5 + 0.5 - 0.2 = 0.8); unsolved: the judge's 0.8 withheld, the penalty kept (-0.1)
+    assert [t.reward for t in ts] == pytest.approx([0.8, -0.1, 0.0])
+    assert ts[1].rewards == {"env": 0.0, "judge": 0.0, "overlong": -0.1}
+    assert m["reward/gated_frac"] == pytest.approx(1 / 3)  # the third had nothing positive to withhold
+    with pytest.raises(ValueError, match=r"algorithm.reward_gate.outcome: no reward component 'correct' in task 't' "
+                                         r"\(its components: env, judge, overlong\)"):
+        gate_rewards(ts, outcome="correct", threshold=1.0)
+
+
+def test_reward_gate_through_shape_rewards():
+    from polyrl.algorithms.shaping import shape_rewards
+    from polyrl.config import AlgorithmConfig
+
+    ts = fake_trajectories(2)
+    for t, (env, judge) in zip(ts, [(1.0, 0.4), (0.0, 0.4)], strict=True):
+        t.rewards, t.reward = {"env": env, "judge": judge}, env + judge
+    algo = AlgorithmConfig(reward_gate={"outcome": "env", "threshold": 0.5, "gated": ["judge"]})
+    assert shape_rewards(ts, algo, max_new_tokens=64) == {"reward/gated_frac": 0.5}
+    assert [t.reward for t in ts] == pytest.approx([1.4, 0.0])
+
+
+def test_gating_on_a_reward_no_task_records_is_a_config_error():
+    from polyrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/quickstart.yaml", ["algorithm.reward_gate={outcome: correct}"])
+    text = str(err.value)
+    assert "algorithm.reward_gate.outcome: task 'chain_sum' has no reward 'correct'; its rewards: chain_sum" in text
+    assert "\n" not in text
+    cfg = load_config("configs/quickstart.yaml", ["algorithm.reward_gate={outcome: chain_sum, threshold: 1.0}"])
+    assert cfg.algorithm.reward_gate.outcome == "chain_sum"

@@ -14,7 +14,44 @@ from polyrl.types import Trajectory
 
 def shape_rewards(trajectories: list[Trajectory], algo: Any, max_new_tokens: int) -> dict[str, float]:
     """Add DAPO's overlong penalty (``algo.overlong_buffer`` > 0) to each reward, recorded as
-    ``rewards["overlong"]``; returns its mean as a metric (nothing when the penalty is off)."""
+    ``rewards["overlong"]``, then gate the shaping components (``algo.reward_gate``); returns the penalty's
+    mean and the gate's metrics (nothing when both are off)."""
+    metrics = _overlong(trajectories, algo, max_new_tokens)
+    gate = getattr(algo, "reward_gate", None)
+    if gate is not None and trajectories:
+        metrics.update(gate_rewards(trajectories, gate.outcome, gate.threshold, gate.gated))
+    return metrics
+
+
+def gate_rewards(
+    trajectories: list[Trajectory], outcome: str, threshold: float, gated: list[str] | None = None
+) -> dict[str, float]:
+    """Gated shaping: a trajectory whose outcome component ``rewards[outcome]`` is below ``threshold`` loses the
+    positive part of every ``gated`` component (all components but ``outcome`` when empty): r <- r - max(r_k, 0),
+    and ``rewards[k]`` becomes min(r_k, 0). Shaping (format, length, a judge's style score, step rewards)
+    then pays only for solved episodes, so it cannot be farmed without solving, while penalties still apply.
+    Returns ``reward/gated_frac``, the fraction of trajectories whose shaping was withheld. A trajectory
+    without the ``outcome`` component is a config error naming ``algorithm.reward_gate.outcome``.
+    """
+    withheld = 0
+    for t in trajectories:
+        if outcome not in t.rewards:
+            have = ", ".join(sorted(t.rewards)) or "none"
+            raise ValueError(f"algorithm.reward_gate.outcome: no reward component '{outcome}' in task '{t.task}' "
+                             f"(its components: {have})")
+        if t.rewards[outcome] >= threshold:
+            continue
+        names = gated or [k for k in t.rewards if k != outcome]
+        removed = sum(max(t.rewards.get(k, 0.0), 0.0) for k in names)
+        for k in names:
+            if k in t.rewards:
+                t.rewards[k] = min(t.rewards[k], 0.0)
+        t.reward -= removed
+        withheld += removed > 0
+    return {"reward/gated_frac": withheld / len(trajectories)}
+
+
+def _overlong(trajectories: list[Trajectory], algo: Any, max_new_tokens: int) -> dict[str, float]:
     if algo.overlong_buffer <= 0 or not trajectories:
         return {}
     lengths = torch.tensor([t.num_model_tokens for t in trajectories])

@@ -40,6 +40,7 @@ from polyrl.config.sections import (
     TrainConfig,
     VllmConfig,
 )
+from polyrl.rewards.mix import component_names
 
 __all__ = [
     "AgentsConfig",
@@ -162,6 +163,20 @@ class Config(_Strict):
             raise ValueError(
                 "algorithm.dynamic_sampling: needs rollout.group_size >= 2 (a group of one never varies)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _check_reward_gate(self) -> Config:
+        """The gate's outcome component must be one every task's trajectories record."""
+        gate = self.algorithm.reward_gate
+        if gate is None:
+            return self
+        shaping = ["overlong"] if self.algorithm.overlong_buffer > 0 else []
+        for task in self.tasks:
+            names = component_names(task.reward_components) if task.reward_components else [task.name]
+            if gate.outcome not in names:
+                raise ValueError(f"algorithm.reward_gate.outcome: task '{task.name}' has no reward "
+                                 f"'{gate.outcome}'; its rewards: {', '.join(names + shaping)}")
         return self
 
 

@@ -152,6 +152,18 @@ class RolloutConfig(_Strict):
     is off."""
 
 
+class RewardGateConfig(_Strict):
+    """Gated shaping (``algorithm.reward_gate``): shaping pays only when the outcome passes a threshold."""
+
+    outcome: str
+    """The outcome reward component, a key of the trajectories' rewards: ``env`` (or ``judge``) with
+    tasks[].reward_components, else the task's name."""
+    threshold: float = 1.0
+    """Below this outcome, the gated components' positive parts are withheld."""
+    gated: list[str] = []
+    """The components gated; empty: every component but ``outcome`` (e.g. ``overlong``, a judge's score)."""
+
+
 class AlgorithmConfig(_Strict):
     """The objective: advantage estimator, policy loss, KL, and DAPO sampling/shaping (docs/algorithms.md)."""
 
@@ -231,6 +243,9 @@ class AlgorithmConfig(_Strict):
     mismatch_band: float = Field(0.2, gt=0)
     """Band of the always-logged ``mismatch/beyond_band_frac``: the fraction of tokens whose ratio between
     the learner's and the engine's probability leaves [1 - band, 1 + band]."""
+    reward_gate: RewardGateConfig | None = None
+    """Gated shaping, e.g. ``{outcome: env, threshold: 1.0, gated: [judge]}``: a trajectory whose ``outcome``
+    component is below the threshold keeps only the negative part of each gated component; null is off."""
     gradient_surgery: Literal["none", "pcgrad"] = "none"
     """pcgrad: each task's gradient is projected off the other tasks' gradients it conflicts with (Yu et al.
     2020), at the cost of one forward and backward pass per task of the batch. The task_grad/ metrics are then
