@@ -168,7 +168,6 @@ def test_concurrent_requests_share_one_generate_call(tok):
 
 def test_each_request_keeps_its_own_token_limit_and_stop_string(tiny):
     server = serve(tiny)
-    server.endpoint.batcher.window_s = server.endpoint.batcher.max_wait_s = 30.0
     msgs = [{"role": "user", "content": "Tell me"}]
 
     async def main():
@@ -176,7 +175,7 @@ def test_each_request_keeps_its_own_token_limit_and_stop_string(tiny):
             free = await c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0)
             text = free.choices[0].message.content
             stop = text[len(text) // 2 :][:3]
-            server.endpoint.batcher.expected = lambda: 2
+            server.endpoint.batcher.max_wait_s, server.endpoint.batcher.expected = 30.0, lambda: 2  # both in one
             short, cut = await asyncio.gather(
                 c.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, temperature=0),
                 c.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, stop=[stop]))

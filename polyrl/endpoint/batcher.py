@@ -1,10 +1,11 @@
 """A batching queue in front of the engine: the requests of concurrent episodes go into one ``generate`` call.
 
-Requests wait in the queue while the engine is busy; when it is free, everything queued (with the same
-sampling settings) goes in one batch. Before a batch starts, the queue stays open while requests keep arriving
-(each within ``window_s`` of the last, for at most ``max_wait_s``), or until every caller ``expected`` (an
-agent rollout's live episodes) is waiting. Each request's own token limit and
-stop strings end its rows through the engine's ``stop`` hook, so one long request does not lengthen the others.
+Requests wait in the queue while the engine is busy; when it is free, everything queued (with the same sampling
+settings) goes in one batch. Before a batch starts, the queue stays open while requests keep arriving (each
+within ``window_s`` of the last, for at most ``max_wait_s``). In an agent rollout, where ``expected`` counts the
+live episodes, it stays open until all of them are waiting, for at most half the last batch's time. Each
+request's own token limit and stop strings end its rows through the engine's ``stop`` hook, so one long request
+does not lengthen the others.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ class Batcher:
         """How many callers share the engine now (an agent rollout's live episodes); None when unknown."""
         self.batches = 0
         self.batch_rows: list[int] = []
+        self.last_batch_s = 0.0
+        """How long the last ``generate`` call took."""
         self._queue: list[Job] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -94,8 +97,12 @@ class Batcher:
     async def _gather(self) -> None:
         """Wait for more requests while they keep coming (each within ``window_s`` of the last, for at most
         ``max_wait_s``) and not every caller is waiting yet."""
+        # With callers known (an agent rollout), waiting up to half a batch's time for stragglers is cheaper than
+        # the extra batch they would otherwise need (what a loaded machine's slow thread starts cause).
+        longest = max(self.max_wait_s, 0.5 * self.last_batch_s) if self.expected is not None else self.max_wait_s
         while self.expected is None or len(self._queue) < self.expected():
-            deadline = min(self._queue[0].queued_at + self.max_wait_s, self._queue[-1].queued_at + self.window_s)
+            window = self.window_s if self.expected is None else longest
+            deadline = min(self._queue[0].queued_at + longest, self._queue[-1].queued_at + window)
             if time.monotonic() >= deadline:
                 return
             await asyncio.sleep(min(0.002, deadline - time.monotonic()))
@@ -129,8 +136,10 @@ class Batcher:
         hook, cut = self._stop_hook(limits, longest, stops)
         self.batches += 1
         self.batch_rows.append(len(rows))
+        started = time.perf_counter()
         groups = self.engine.generate(inputs, n, longest, rows[0].temperature, rows[0].top_p,
                                       self.seed + self.batches, **({"stop": hook} if hook else {}))
+        self.last_batch_s = time.perf_counter() - started
         flat = [c for group in groups for c in group]
         samples: list[Sample | None] = [None] * len(rows)
         for o, completion in enumerate(flat):

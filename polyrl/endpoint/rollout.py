@@ -123,11 +123,13 @@ def run_episodes(
         t.start()
     for t, (task, *_) in zip(threads, episodes, strict=True):
         t.join(max(0.0, start + task.config.timeout_s + GRACE_S - time.monotonic()))
+    abandoned = [t.is_alive() for t in threads]  # before closing: an episode ends in time or it does not count
     captures = [server.call(endpoint.close_episode, eid) for eid in ids]
     endpoint.batcher.expected = None
     server.wait_idle()  # calls of abandoned episodes finish before the caller updates the weights
-    return [_outcome(task, item_id, item, gid, cap, out, t.is_alive(), version, endpoint.tokenizer)
-            for (task, item_id, item, gid), cap, out, t in zip(episodes, captures, results, threads, strict=True)]
+    return [_outcome(task, item_id, item, gid, cap, dict(out), alive, version, endpoint.tokenizer)
+            for (task, item_id, item, gid), cap, out, alive in zip(episodes, captures, results, abandoned,
+                                                                      strict=True)]
 
 
 def _outcome(task: AgentTask, item_id: int, item: dict[str, Any], group_id: int, capture: EpisodeCapture,
