@@ -9,6 +9,8 @@ markers) and docs/algorithms.png; the raw numbers into benchmarks/results/algori
     python benchmarks/algorithms.py --minutes 3                    # the embedded default, ~35 min in all
     python benchmarks/algorithms.py --config configs/smoke.yaml --minutes 0.1 \
         --doc /tmp/algorithms.md --png /tmp/algorithms.png         # a check of the script itself
+    python benchmarks/algorithms.py --steps 20 --lrs 1e-5 3e-5 1e-4 --seeds 0 1 \
+        --json benchmarks/results/algorithms_sweep.json             # the learning-rate sweep (hours on 2 cores)
 
 With one epoch per batch the importance ratio is exactly 1, where PPO-clip, GSPO and CISPO give the same
 gradient; so gspo and cispo run two epochs per batch here, where their ratios differ.
@@ -43,16 +45,22 @@ ALGORITHMS: dict[str, list[str]] = {
     "dapo": ["algorithm.clip_high=0.28", "algorithm.dynamic_sampling=true", "algorithm.max_extra_rounds=2",
              "algorithm.overlong_buffer={buffer}"],
     "ppo_gae": ["algorithm.advantage=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0"],
+    "maxrl": ["algorithm.advantage=maxrl"],
+    "dppo": ["algorithm.loss=dppo"],
+    "sapo": ["algorithm.loss=sapo"],
 }
 
 
-def _config(path: Path, name: str, eval_n: int | None):
+def _config(path: Path, name: str, eval_n: int | None, steps: int | None = None, extra: list[str] | None = None):
+    """The config of one run. With ``steps`` the run is that long, so a decaying learning-rate schedule
+    reaches 0 at its end as in a real run; without, ``train.steps`` is huge and the schedule stays flat."""
     from polyrl.config import load_config
 
     base = load_config(path)
     buffer = max(1, base.rollout.max_new_tokens // 4)
-    overrides = [o.format(buffer=buffer) for o in ALGORITHMS[name]]
-    overrides += ["eval.before=false", "eval.after=false", "logging.progress=false", "train.steps=1000000"]
+    overrides = [o.format(buffer=buffer) for o in ALGORITHMS[name]] + (extra or [])
+    overrides += ["eval.before=false", "eval.after=false", "logging.progress=false",
+                  f"train.steps={steps or 1000000}", "train.max_minutes=null"]
     if eval_n is not None:
         overrides += [f"tasks.{i}.eval_size={eval_n}" for i in range(len(base.tasks))]
     return load_config(path, overrides), overrides
@@ -92,6 +100,86 @@ def run_one(
     gc.collect()  # free this run's model and optimizer before the next one is built
     return {"overrides": overrides, "steps": step, "train_time_s": train_time, "curve": curve,
             "mean_train_reward": sum(rewards) / len(rewards)}
+
+
+def run_steps(path: Path, name: str, steps: int, points: int, eval_n: int | None, extra: list[str],
+              base_acc: float | None) -> dict:
+    """Train ``name`` for ``steps`` updates with the config's own schedule over them; accuracy at the start and
+    at ``points`` evenly spaced steps."""
+    from polyrl.train.step import build_run, rl_step
+
+    cfg, overrides = _config(path, name, eval_n, steps, extra)
+    due = sorted({max(1, round(steps * (i + 1) / points)) for i in range(points)})
+    with tempfile.TemporaryDirectory() as tmp:
+        run = build_run(cfg, Path(tmp))
+        curve = [{"step": 0, "accuracy": base_acc if base_acc is not None else _accuracy(run)}]
+        train_time = 0.0
+        for step in range(1, steps + 1):
+            metrics, _ = rl_step(run, step)
+            train_time += metrics["step_time_s"]
+            if step in due:
+                curve.append({"step": step, "train_time_s": train_time, "accuracy": _accuracy(run)})
+        del run
+    gc.collect()
+    return {"overrides": overrides, "steps": steps, "train_time_s": train_time, "curve": curve}
+
+
+def sweep_markdown(results: dict) -> str:
+    """Per algorithm: the learning rate with the best final accuracy (mean over seeds), that mean, the
+    spread over seeds at that rate, and the mean final accuracy at every rate."""
+    lrs = results["lrs"]
+    head = ["algorithm", "best lr", "final acc (mean)", "seeds' range", *[f"lr {lr:g}" for lr in lrs], "s/step"]
+    items = results["eval_n"] or "the config's"
+    lines = [
+        f"Config `{results['config']}`, {results['steps']} updates per run with the config's schedule over them, "
+        f"learning rates {', '.join(f'{lr:g}' for lr in lrs)}, seeds {', '.join(map(str, results['seeds']))}; "
+        f"held-out accuracy (greedy, {items} items) after the last update; "
+        f"{results['machine']}, {results['date']}.",
+        "",
+        "| " + " | ".join(head) + " |",
+        "| " + " | ".join("---" for _ in head) + " |",
+    ]
+    for name, by_lr in results["sweep"].items():
+        finals = {lr: [r["curve"][-1]["accuracy"] for r in by_lr[str(lr)].values() if "curve" in r] for lr in lrs}
+        means = {lr: sum(v) / len(v) for lr, v in finals.items() if v}
+        if not means:
+            lines.append(f"| {name} | failed |" + " |" * (len(head) - 2))
+            continue
+        best = max(means, key=means.get)
+        runs = [r for r in by_lr[str(best)].values() if "curve" in r]
+        per_step = sum(r["train_time_s"] for r in runs) / sum(r["steps"] for r in runs)
+        cells = [name, f"{best:g}", f"{100 * means[best]:.1f}%",
+                 f"{100 * min(finals[best]):.0f}-{100 * max(finals[best]):.0f}%",
+                 *[f"{100 * means[lr]:.1f}%" if lr in means else "failed" for lr in lrs], f"{per_step:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main_sweep(args: argparse.Namespace, results: dict) -> None:
+    """Every algorithm at every learning rate and seed for ``args.steps`` updates."""
+    results.update({"steps": args.steps, "lrs": args.lrs, "seeds": args.seeds, "eval_n": args.eval_n,
+                    "sweep": {}})
+    base_acc = None
+    for name in args.only or list(ALGORITHMS):
+        for lr in args.lrs:
+            for seed in args.seeds:
+                t0 = time.perf_counter()
+                try:
+                    res = run_steps(args.config, name, args.steps, args.points, args.eval_n,
+                                    [f"optim.lr={lr}", f"train.seed={seed}"], base_acc)
+                    base_acc = res["curve"][0]["accuracy"]
+                except Exception as exc:  # one failing run must not lose the others' results
+                    traceback.print_exc()
+                    res = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+                results["sweep"].setdefault(name, {}).setdefault(str(lr), {})[str(seed)] = res
+                final = f"{100 * res['curve'][-1]['accuracy']:.1f}%" if "curve" in res else res["error"]
+                print(f"{name} lr {lr:g} seed {seed}: {final} ({time.perf_counter() - t0:.0f}s wall)", flush=True)
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(results, indent=2))  # a partial sweep survives an interruption
+    table = sweep_markdown(results)
+    replace_block(args.doc, f"<!-- sweep:{args.block}:start -->", f"<!-- sweep:{args.block}:end -->", table,
+                  f"Learning-rate sweep ({args.block})")
+    print(table)
 
 
 def markdown(results: dict) -> str:
@@ -159,6 +247,12 @@ def main() -> None:
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "algorithms.md")
     p.add_argument("--png", type=Path, default=ROOT / "docs" / "algorithms.png")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "algorithms.json")
+    p.add_argument("--steps", type=int, default=None,
+                   help="a sweep: this many updates per run (the schedule decays over them), at every --lrs and "
+                        "--seeds; the table goes between the sweep:<--block> markers")
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 3e-5, 1e-4])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    p.add_argument("--block", default="quickstart", help="the sweep table's marker name in --doc")
     args = p.parse_args()
     if args.points < 1 or args.minutes <= 0:
         raise SystemExit("--points must be >= 1 and --minutes > 0")
@@ -171,6 +265,9 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "algorithms": {},
     }
+    if args.steps is not None:
+        main_sweep(args, results)
+        return
     base_acc = None  # every algorithm starts from the same weights: evaluate the start once
     for name in args.only or list(ALGORITHMS):
         t0 = time.perf_counter()
