@@ -45,9 +45,12 @@ def read_items(source: list[dict[str, Any]] | str, key: str) -> list[dict[str, A
     """Items given inline or as a .json (a list) / .jsonl (one object a line) file; errors name the row."""
     if isinstance(source, str):
         path = Path(source)
-        if not path.is_file():
-            raise ValueError(f"{key}: no such file '{source}'")
-        text = path.read_text(encoding="utf-8")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ValueError(f"{key}: no such file '{source}'") from None
+        except (OSError, UnicodeDecodeError, ValueError) as exc:  # a directory, a bad name, not UTF-8 text
+            raise ValueError(f"{key}: cannot read '{source}': {getattr(exc, 'strerror', None) or exc}") from None
         if path.suffix == ".jsonl":
             rows = []
             for n, line in enumerate(text.splitlines(), 1):
