@@ -237,7 +237,9 @@ def test_reward_gate_through_shape_rewards():
     for t, (env, judge) in zip(ts, [(1.0, 0.4), (0.0, 0.4)], strict=True):
         t.rewards, t.reward = {"env": env, "judge": judge}, env + judge
     algo = AlgorithmConfig(reward_gate={"outcome": "env", "threshold": 0.5, "gated": ["judge"]})
-    assert shape_rewards(ts, algo, max_new_tokens=64) == {"reward/gated_frac": 0.5}
+    # criteria as scored (before the gate), then the share of episodes whose shaping was withheld
+    assert shape_rewards(ts, algo, max_new_tokens=64) == pytest.approx(
+        {"reward/criterion/env": 0.5, "reward/criterion/judge": 0.4, "reward/gated_frac": 0.5})
     assert [t.reward for t in ts] == pytest.approx([1.4, 0.0])
 
 
@@ -251,3 +253,73 @@ def test_gating_on_a_reward_no_task_records_is_a_config_error():
     assert "\n" not in text
     cfg = load_config("configs/quickstart.yaml", ["algorithm.reward_gate={outcome: chain_sum, threshold: 1.0}"])
     assert cfg.algorithm.reward_gate.outcome == "chain_sum"
+
+
+def test_rubric_rule_criteria_names_and_per_criterion_means():
+    from polyrl.algorithms.shaping import criterion_means
+    from polyrl.config import RewardComponentConfig
+    from polyrl.rewards.mix import component_names, rule_scores
+
+    assert rule_scores(r"^\s*-?\d+\s*$", ["42", " 7 \n", "the answer is 42", "-3"]) == [1.0, 1.0, 0.0, 1.0]
+    comps = [RewardComponentConfig(kind="env"), RewardComponentConfig(kind="rule", name="just_a_number",
+                                                                     pattern=r"^\d+$", weight=0.2),
+             RewardComponentConfig(kind="judge"), RewardComponentConfig(kind="judge", reference=True)]
+    assert component_names(comps) == ["env", "just_a_number", "judge_2", "judge_3"]
+    ts = fake_trajectories(3)
+    for t, (env, rule) in zip(ts, [(1.0, 1.0), (0.0, 1.0), (0.0, 0.0)], strict=True):
+        t.rewards = {"env": env, "just_a_number": rule}
+    ts[2].rewards["t"] = 5.0  # a task-named total is not a criterion
+    assert criterion_means(ts) == pytest.approx({"reward/criterion/env": 1 / 3,
+                                                 "reward/criterion/just_a_number": 2 / 3})
+
+
+def test_rubric_config_errors_name_the_key():
+    from polyrl.config import ConfigError, load_config
+
+    cases = {
+        "tasks.0.reward_components=[{kind: rule}]": "tasks.0.reward_components.0.pattern: a rule component needs",
+        "tasks.0.reward_components=[{kind: rule, pattern: '('}]": "tasks.0.reward_components.0.pattern: not a "
+                                                                  "regular expression",
+        "tasks.0.reward_components=[{kind: env, name: a}, {kind: rule, name: a, pattern: x}]":
+            "tasks.0.reward_components: two components named 'a'",
+    }
+    for override, message in cases.items():
+        with pytest.raises(ConfigError) as err:
+            load_config("configs/quickstart.yaml", [override])
+        assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_rule_criterion_mixes_into_the_training_reward(tmp_path):
+    import yaml
+    from conftest import SMOKE
+
+    from polyrl.config import load_config
+    from polyrl.train.step import build_run, rl_step
+
+    data = yaml.safe_load(SMOKE.read_text())
+    data["tasks"][0]["reward_components"] = [{"kind": "env"}, {"kind": "rule", "name": "short",
+                                                                "pattern": r"^.{0,5}$", "weight": 0.5}]
+    run = build_run(load_config(None, data=data), tmp_path)
+    metrics, kept = rl_step(run, 1)
+    for t in kept:
+        text = run.tokenizer.decode([i for i, m in zip(t.input_ids, t.loss_mask, strict=True) if m],
+                                    skip_special_tokens=True)
+        assert t.rewards["short"] == (1.0 if len(text) <= 5 and "\n" not in text else 0.0)
+        assert t.reward == pytest.approx(t.rewards["env"] + 0.5 * t.rewards["short"])
+    assert "reward/criterion/short" in metrics and "reward/criterion/env" in metrics
+
+
+def test_judge_grades_against_a_reference_when_asked():
+    from polyrl.rewards.judge import Judge
+    from polyrl.rewards.mix import reference_of
+
+    judge = Judge("tiny-random")
+    plain = judge.tokenizer.decode(judge.prompt_ids("What is 2+2?", "4", "Is it right?"))
+    graded = judge.tokenizer.decode(judge.prompt_ids("What is 2+2?", "4", "Is it right?", reference="4"))
+    assert "Reference answer:\n4" in graded and "Reference answer" not in plain
+    pairs = [("What is 2+2?", "4")]
+    with_ref = judge.score(pairs, "Is it right?", ["4"])
+    assert with_ref != judge.score(pairs, "Is it right?") and 0.0 < with_ref[0] < 1.0
+    assert reference_of({"question": "q", "answer": 4}, "t") == "4"
+    with pytest.raises(ValueError, match=r"tasks\[t\].reward_components: reference needs the item's 'answer'"):
+        reference_of({"question": "q"}, "t")

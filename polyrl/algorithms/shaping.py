@@ -15,12 +15,27 @@ from polyrl.types import Trajectory
 def shape_rewards(trajectories: list[Trajectory], algo: Any, max_new_tokens: int) -> dict[str, float]:
     """Add DAPO's overlong penalty (``algo.overlong_buffer`` > 0) to each reward, recorded as
     ``rewards["overlong"]``, then gate the shaping components (``algo.reward_gate``); returns the penalty's
-    mean and the gate's metrics (nothing when both are off)."""
+    mean, each reward component's mean (``criterion_means``) and the gate's metrics."""
     metrics = _overlong(trajectories, algo, max_new_tokens)
+    metrics.update(criterion_means(trajectories))  # as scored, before the gate withholds any
     gate = getattr(algo, "reward_gate", None)
     if gate is not None and trajectories:
         metrics.update(gate_rewards(trajectories, gate.outcome, gate.threshold, gate.gated))
     return metrics
+
+
+def criterion_means(trajectories: list[Trajectory]) -> dict[str, float]:
+    """``reward/criterion/<name>``: the mean of each reward component (``tasks[].reward_components``: env,
+    judge and rule criteria) over the trajectories that have it. The task-named total of a task without
+    components and the overlong penalty (``reward/overlong``) are reported elsewhere."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for t in trajectories:
+        for k, v in t.rewards.items():
+            if k not in (t.task, "overlong"):
+                sums[k] = sums.get(k, 0.0) + v
+                counts[k] = counts.get(k, 0) + 1
+    return {f"reward/criterion/{k}": sums[k] / counts[k] for k in sorted(sums)}
 
 
 def gate_rewards(

@@ -5,6 +5,7 @@ Every error is one line that names the offending key, so a typo never starts a 1
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,22 @@ class Config(_Strict):
 
     @model_validator(mode="after")
     def _check_reward_gate(self) -> Config:
-        """The gate's outcome component must be one every task's trajectories record."""
+        """Reward components have distinct names and rules a valid pattern; the gate's outcome is one every
+        task's trajectories record."""
+        for i, task in enumerate(self.tasks):
+            for j, comp in enumerate(task.reward_components):
+                key = f"tasks.{i}.reward_components.{j}.pattern"
+                if (comp.kind == "rule") != (comp.pattern is not None):
+                    raise ValueError(f"{key}: a rule component needs one, other kinds take none")
+                if comp.pattern is not None:
+                    try:
+                        re.compile(comp.pattern)
+                    except re.error as exc:
+                        raise ValueError(f"{key}: not a regular expression ({exc})") from None
+            names = component_names(task.reward_components)
+            if len(set(names)) < len(names):
+                raise ValueError(f"tasks.{i}.reward_components: two components named "
+                                 f"'{next(n for n in names if names.count(n) > 1)}'; give each its own name")
         gate = self.algorithm.reward_gate
         if gate is None:
             return self

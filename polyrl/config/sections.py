@@ -72,14 +72,23 @@ class EngineConfig(_Strict):
 
 
 class RewardComponentConfig(_Strict):
-    """One term of a task's reward; the reward is the weighted sum of its components."""
+    """One term of a task's reward, or one criterion of a rubric; the reward is the weighted sum of its
+    components, and each is logged on its own (``reward/criterion/<name>``)."""
 
-    kind: Literal["env", "judge"]
+    kind: Literal["env", "judge", "rule"]
     """env: the environment's own reward (its scorer, tests or rules); judge: the probability that a local
-    model answers "yes" to ``rubric`` about the response (LLM-as-judge)."""
+    model answers "yes" to ``rubric`` about the response (LLM-as-judge); rule: 1 if the response matches
+    the regular expression ``pattern``, else 0."""
+    name: str | None = None
+    """The criterion's name in the trajectories' rewards and the metrics; unset: the kind (numbered when a
+    kind appears more than once)."""
     weight: float = 1.0
     rubric: str = "Is the response a correct and helpful answer to the question?"
     """judge: the yes/no question put to the judge model about the question and the response."""
+    reference: bool = False
+    """judge: show the judge the item's reference answer (its ``answer``) beside the response."""
+    pattern: str | None = None
+    """rule: a Python regular expression searched for in the response text (e.g. ``^\\s*\\d+\\s*$``)."""
     model: str | None = None
     """judge: an alias or Hugging Face directory of the judge model; unset uses ``model.name`` (a frozen copy)."""
 
@@ -124,7 +133,7 @@ class TaskConfig(_Strict):
     equality with the item's answer)."""
     eval_size: int = Field(200, gt=0)
     reward_components: list[RewardComponentConfig] = []
-    """Weighted reward terms (env, judge); empty is the env's reward alone."""
+    """Weighted reward terms or rubric criteria (env, judge, rule); empty is the env's reward alone."""
     teacher: str | None = None
     """On-policy distillation teacher for this task: an alias or HF model directory (a checkpoint works),
     used when algorithm.distill_coef > 0. In a pipeline, stages[].teachers can name ``best`` instead."""

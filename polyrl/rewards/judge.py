@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 
 TEMPLATE = "Question:\n{question}\n\nResponse:\n{response}\n\n{rubric} Answer with yes or no."
+REFERENCE_TEMPLATE = ("Question:\n{question}\n\nReference answer:\n{reference}\n\nResponse:\n{response}\n\n"
+                      "{rubric} Answer with yes or no.")
 
 
 def verdict_token_ids(tokenizer, word: str) -> list[int]:
@@ -47,18 +49,28 @@ class Judge:
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
 
-    def prompt_ids(self, question: str, response: str, rubric: str) -> list[int]:
-        text = TEMPLATE.format(question=question, response=response, rubric=rubric)
+    def prompt_ids(self, question: str, response: str, rubric: str, reference: str | None = None) -> list[int]:
+        """The chat-formatted judge prompt; with ``reference``, the reference answer is shown before the
+        response (grading against a reference, Zheng et al. 2023's reference-guided grading)."""
+        if reference is None:
+            text = TEMPLATE.format(question=question, response=response, rubric=rubric)
+        else:
+            text = REFERENCE_TEMPLATE.format(question=question, reference=reference, response=response,
+                                             rubric=rubric)
         messages = [{"role": "user", "content": text}]
         out = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
 
     @torch.no_grad()
-    def score(self, pairs: Sequence[tuple[str, str]], rubric: str) -> list[float]:
-        """P(yes) / (P(yes) + P(no)) for each (question, response) pair."""
+    def score(
+        self, pairs: Sequence[tuple[str, str]], rubric: str, references: Sequence[str] | None = None
+    ) -> list[float]:
+        """P(yes) / (P(yes) + P(no)) for each (question, response) pair, against its reference if given."""
         scores: list[float] = []
+        refs = list(references) if references is not None else [None] * len(pairs)
         for start in range(0, len(pairs), self.batch_size):
-            prompts = [self.prompt_ids(q, r, rubric) for q, r in pairs[start : start + self.batch_size]]
+            chunk = zip(pairs[start : start + self.batch_size], refs[start : start + self.batch_size], strict=True)
+            prompts = [self.prompt_ids(q, r, rubric, ref) for (q, r), ref in chunk]
             width = max(len(p) for p in prompts)
             ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros_like(ids)

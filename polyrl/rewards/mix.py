@@ -3,6 +3,7 @@ LLM-as-judge scores, mixed by weight after a round is rolled out (before advanta
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -14,9 +15,19 @@ if TYPE_CHECKING:
 
 
 def component_names(components: Sequence[RewardComponentConfig]) -> list[str]:
-    """``env`` / ``judge``, numbered (``judge_1``) only when a kind appears more than once."""
-    kinds = [c.kind for c in components]
-    return [k if kinds.count(k) == 1 else f"{k}_{i}" for i, k in enumerate(kinds)]
+    """Each component's ``name``, else its kind (``env``, ``judge``, ``rule``), numbered (``judge_1``) only
+    when an unnamed kind appears more than once."""
+    kinds = [c.kind for c in components if c.name is None]
+    return [c.name if c.name is not None else c.kind if kinds.count(c.kind) == 1 else f"{c.kind}_{i}"
+            for i, c in enumerate(components)]
+
+
+def rule_scores(pattern: str, responses: Sequence[str]) -> list[float]:
+    """A rubric's rule criterion: 1.0 for each response in which the regular expression ``pattern`` is found
+    (``re.search`` over the whole text: ``^``/``$`` are its start and end unless the pattern sets ``(?m)``),
+    else 0.0."""
+    compiled = re.compile(pattern)
+    return [1.0 if compiled.search(r) else 0.0 for r in responses]
 
 
 def weighted_reward(values: dict[str, float], weights: dict[str, float]) -> float:
@@ -25,6 +36,14 @@ def weighted_reward(values: dict[str, float], weights: dict[str, float]) -> floa
     if missing:
         raise ValueError(f"reward components {sorted(missing)} have no value")
     return sum(weights[k] * values[k] for k in weights)
+
+
+def reference_of(item: dict[str, Any], task: str) -> str:
+    """The item's reference answer for a judge with ``reference: true``."""
+    if "answer" not in item:
+        raise ValueError(f"tasks[{task}].reward_components: reference needs the item's 'answer', and this "
+                         f"task's items have none (keys: {', '.join(sorted(item))})")
+    return str(item["answer"])
 
 
 def question_of(task: Task, item: dict[str, Any]) -> str:
@@ -72,9 +91,12 @@ class RewardMixer:
             for key, comp in zip(keys, comps, strict=True):
                 if comp.kind == "env":
                     scores = [t.reward for t in mine]
+                elif comp.kind == "rule":
+                    scores = rule_scores(comp.pattern, [self._response(t) for t in mine])
                 else:
                     pairs = [(questions[t.group_id], self._response(t)) for t in mine]
-                    scores = self.judge(comp.model).score(pairs, comp.rubric)
+                    refs = [reference_of(items[t.group_id], name) for t in mine] if comp.reference else None
+                    scores = self.judge(comp.model).score(pairs, comp.rubric, refs)
                 for v, s in zip(values, scores, strict=True):
                     v[key] = float(s)
             weights = {k: c.weight for k, c in zip(keys, comps, strict=True)}
