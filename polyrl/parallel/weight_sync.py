@@ -55,6 +55,10 @@ Entry = tuple[str, str, list[int], int, int]
 """One tensor of a bucket: (name, dtype, shape, byte offset, bytes); shapes are whole (DTensor) shapes."""
 
 
+class EngineLostError(RuntimeError):
+    """A sync's broadcast failed: an engine of the group is gone or stalled; the group is unusable."""
+
+
 class SupportsSync(Protocol):
     policy: torch.nn.Module
 
@@ -247,17 +251,32 @@ class WeightSender:
         buckets = plan_buckets(items, self.bucket_bytes, self.wire_dtype)
         params = dict(items)
         g = self.group
+        # A broadcast that fails (an engine lost) stops the broadcasts but not the gathers, so that the other
+        # learner ranks, which only gather, finish the sync in step with rank 0; rank 0 then raises.
+        lost: list[str] = []
+
+        def on_wire(call):
+            if lost:
+                return None
+            try:
+                return call()
+            except Exception as exc:  # gloo/NCCL errors have no common type
+                lost.append(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}")
+                return None
+
         if g.member:
             header = json.dumps({"mode": "adapter" if self.adapter_only else "all", "buckets": buckets}).encode()
             meta = torch.tensor([version, len(header), len(buckets)], dtype=torch.int64, device=g.device)
-            g.broadcast(meta).wait()
-            g.broadcast(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(g.device)).wait()
+            on_wire(lambda: g.broadcast(meta).wait())
+            head = torch.frombuffer(bytearray(header), dtype=torch.uint8).to(g.device)
+            on_wire(lambda: g.broadcast(head).wait())
         pending: list[dist.Work | None] = [None, None]
         gather_s = 0.0
         for k, bucket in enumerate(buckets):
             slot = k % 2
             if pending[slot] is not None:  # the buffer is reused once its broadcast two buckets ago is done
-                pending[slot].wait()
+                on_wire(pending[slot].wait)
+                pending[slot] = None
             buf = self._buffer(slot, _bucket_size(bucket)) if g.member else None
             tg = time.perf_counter()
             gather = BucketGather(self.point_to_point)  # collectives: every learner rank, in the same order
@@ -267,13 +286,15 @@ class WeightSender:
             gather.wait()
             gather_s += time.perf_counter() - tg
             if buf is not None:
-                pending[slot] = g.broadcast(buf)
+                pending[slot] = on_wire(lambda b=buf: g.broadcast(b))
         for work in pending:
             if work is not None:
-                work.wait()
+                on_wire(work.wait)
         self._buffers.clear()  # two buckets' worth of (GPU) memory, not kept through training
         if not g.member:
             return {}
+        if lost:
+            raise EngineLostError(f"weight sync: version {version} did not reach the engines: {lost[0]}")
         if g.all_min(version) != version:
             errors = [f"engine {i - 1}: {e}" for i, e in enumerate(g.all_texts("")) if e]
             raise RuntimeError(f"weight sync: version {version} was not applied: " + " | ".join(errors))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from polyrl.config import engines_of
 from polyrl.parallel.group import current
 from polyrl.runtime.common import Stepper
 
@@ -26,14 +27,14 @@ class LocalStepper:
 def make_stepper(run: Any, start: int) -> Stepper:
     """The stepper of ``run.config.runtime.kind``, resuming after step ``start``."""
     kind = run.config.runtime.kind
-    if current().distributed:  # every rank steps in turn; under ray the ranks themselves are the actors
+    if kind == "ray" and engines_of(run.config) == "disaggregated":  # on every learner rank
+        from polyrl.runtime.ray_ import RayStepper
+
+        return RayStepper(run, start)
+    if current().distributed:  # every rank rolls out its share and steps in turn
         return LocalStepper(run)
     if kind == "async":
         from polyrl.runtime.async_ import AsyncStepper
 
         return AsyncStepper(run, start)
-    if kind == "ray":
-        from polyrl.runtime.ray_ import RayStepper
-
-        return RayStepper(run, start)
     return LocalStepper(run)

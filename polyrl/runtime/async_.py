@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from polyrl.config import Config
-from polyrl.runtime.common import check_staleness, staleness_metrics
+from polyrl.runtime.common import check_staleness, snapshot, staleness_metrics
 from polyrl.runtime.partial import PartialEngine
 from polyrl.types import Trajectory
 
@@ -29,12 +29,6 @@ _POLL_S = 1.0
 
 class _Stop(Exception):
     """The learner asked the rollout process to end."""
-
-
-def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    # A copy: the learner keeps updating its tensors in place while the rollout process reads this one.
-    # On the host: a GPU learner's tensors cannot cross to a rollout process that has no CUDA context of its own.
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def _rollout_main(
@@ -101,7 +95,7 @@ class AsyncStepper:
             daemon=True,
         )
         self.proc.start()
-        self.weights_q.put((start, _snapshot(run.model)))
+        self.weights_q.put((start, snapshot(run.model)))
         self._last = time.perf_counter()
 
     def _receive(self) -> tuple[Any, dict]:
@@ -126,7 +120,7 @@ class AsyncStepper:
         check_staleness(batch.kept, step - 1, self.eta, "runtime.kind async")
         update, t_update = learn_batch(self.run, batch)
         if step < self.run.config.train.steps:
-            self.weights_q.put((step, _snapshot(self.run.model)))
+            self.weights_q.put((step, snapshot(self.run.model)))
         self.run.sampler.load_state_dict(sampler_state)
         now = time.perf_counter()
         metrics = step_metrics(batch, update, t_update, now - self._last)

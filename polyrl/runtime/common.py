@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import torch
+
 from polyrl.types import Trajectory
 
 
@@ -13,6 +15,12 @@ class Stepper(Protocol):
     def step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]: ...
 
     def close(self) -> None: ...
+
+
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A host copy of ``model``'s state: the learner keeps updating its tensors in place while another process
+    reads this one, and a GPU learner's tensors cannot cross to a process without a CUDA context of its own."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
 def staleness_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[str, float]:

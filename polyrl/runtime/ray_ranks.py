@@ -3,8 +3,9 @@
 The driver reserves one bundle per rank in a placement group (a GPU each on cuda, CPUs otherwise), so Ray
 places the ranks on any nodes of the cluster; each rank is an actor that joins one torch.distributed group
 (rank 0's node and a free port there as the rendezvous) and runs the same training loop as ranks started on
-one machine: it rolls out its share of every step's groups on its own engine and trains its shard. All
-ranks must see one run directory (a shared filesystem on a cluster).
+one machine: it rolls out its share of every step's groups on its own engine (colocated), or rank 0 sends
+them to the rollout workers (``runtime.engines: disaggregated``, ``runtime/workers.py``), and trains its
+shard. All ranks must see one run directory (a shared filesystem on a cluster).
 
 A rank lost with its process or its node ends every rank at once (the others would otherwise wait in a
 collective until its timeout); the driver then starts them all again from the newest checkpoint, up to
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from polyrl.config import engines_of
 from polyrl.parallel.group import RankFailedError
 from polyrl.parallel.launch import free_port
 from polyrl.runtime.ray_ import start_ray
@@ -72,7 +74,9 @@ def _attempt(ray: Any, config: Any, run_dir: Path, entry: Callable, resume: bool
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     world, gpu = config.learner.world_size, config.train.device == "cuda"
-    cpus = max(1, int(ray.available_resources().get("CPU", world)) // world)
+    # Disaggregated rollout workers (one CPU each, started by rank 0) need room beside the ranks' bundles.
+    workers = config.runtime.num_workers if engines_of(config) == "disaggregated" else 0
+    cpus = max(1, (int(ray.available_resources().get("CPU", world)) - workers) // world)
     bundle = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
     group = placement_group([bundle] * world, strategy="PACK")
     try:

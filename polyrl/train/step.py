@@ -177,6 +177,9 @@ def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
     faults.point("update", batch.step)
     if not batch.kept:  # every episode of the step was dropped (agent tasks): nothing to learn, weights unchanged
         return {"skipped_updates": 0.0, "empty_batch": 1.0}, time.perf_counter() - t1
+    release = getattr(run.engine, "release_memory", None)  # engines without memory to give back may omit it
+    if release is not None:
+        release()  # a colocated vLLM with sleep_mode frees the GPU for the update until the sync
     update = run.learner.update(batch.kept)
     t_sync = time.perf_counter()
     if run.engine_model is not run.model:  # the sharded weights, gathered whole on every rank
