@@ -22,7 +22,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 from typing import Any
 
 import openai
@@ -80,7 +80,9 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
     tokens = {arm: 0 for arm in runs}
     seconds = {arm: 0.0 for arm in runs}
     episodes = {arm: 0 for arm in runs}
+    round_ratios = []
     for r in range(args.rounds):
+        rate_now = {}
         for arm in (("native", "endpoint") if r % 2 == 0 else ("endpoint", "native")):
             run = runs[arm]
             task = next(iter(run.tasks.values()))
@@ -88,14 +90,18 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
                         for i in range(run.config.rollout.prompts_per_step)]
             t0 = time.perf_counter()
             out = run.agents.rollout(run.engine, requests, run.config.rollout, seed=r, version=0, first_id=0)
-            seconds[arm] += time.perf_counter() - t0
-            tokens[arm] += sum(t.num_model_tokens for t in out)
+            took, made = time.perf_counter() - t0, sum(t.num_model_tokens for t in out)
+            seconds[arm] += took
+            tokens[arm] += made
             episodes[arm] += len(requests) * run.config.rollout.group_size
+            rate_now[arm] = made / took
+        round_ratios.append(rate_now["endpoint"] / rate_now["native"])
     rate = {arm: tokens[arm] / seconds[arm] for arm in runs}
     return {
         "rounds": args.rounds, "episodes": episodes, "generated_tokens": tokens, "rollout_s": seconds,
         "tokens_per_s": rate, "episodes_per_s": {arm: episodes[arm] / seconds[arm] for arm in runs},
         "throughput_ratio_endpoint_over_native": rate["endpoint"] / rate["native"],
+        "round_ratios": round_ratios, "median_round_ratio": median(round_ratios),
     }
 
 
@@ -135,18 +141,20 @@ def main() -> None:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     result: dict[str, Any] = json.loads(args.out.read_text()) if args.out.exists() else {}
-    result.update(machine=cpu, config="configs/tool_math.yaml", overrides=args.set)
-    if args.part in ("overhead", "all"):
-        result["overhead"] = overhead(args)
-        print(json.dumps(result["overhead"], indent=1), flush=True)
-    if args.part in ("train", "all"):
-        result["train"] = {"native": train_arm(False, args)}
-        print(json.dumps(result["train"], indent=1), flush=True)
-        result["train"]["endpoint"] = train_arm(True, args)
-        result["train"]["eval_items"] = args.eval
-        print(json.dumps(result["train"], indent=1), flush=True)
+    result.update(machine=cpu, config="configs/tool_math.yaml")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    def save(part: str, value: Any) -> None:  # after each part, so a stopped run keeps what it measured
+        result[part] = value
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print(json.dumps({part: value}, indent=1), flush=True)
+
+    if args.part in ("overhead", "all"):
+        save("overhead", {"overrides": args.set, **overhead(args)})
+    if args.part in ("train", "all"):
+        arms = {"overrides": args.set, "eval_items": args.eval, "native": train_arm(False, args)}
+        save("train", arms)
+        save("train", {**arms, "endpoint": train_arm(True, args)})
     print(args.out)
 
 
