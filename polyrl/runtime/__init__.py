@@ -6,7 +6,7 @@ from typing import Any
 
 from polyrl.config import engines_of
 from polyrl.parallel.group import current
-from polyrl.runtime.common import Stepper
+from polyrl.runtime.common import Stepper, producer_state
 
 
 class LocalStepper:
@@ -19,6 +19,9 @@ class LocalStepper:
         from polyrl.train.step import rl_step
 
         return rl_step(self.run, step)
+
+    def producer_state(self) -> dict[str, Any]:
+        return producer_state(self.run)
 
     def close(self) -> None:
         pass

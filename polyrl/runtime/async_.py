@@ -10,6 +10,7 @@ waits for the latest update, which reproduces the local runtime exactly.
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 import traceback
@@ -20,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from polyrl.config import Config
-from polyrl.runtime.common import check_staleness, snapshot, staleness_metrics
+from polyrl.runtime.common import check_staleness, load_producer_state, producer_state, snapshot, staleness_metrics
 from polyrl.runtime.partial import PartialEngine
 from polyrl.types import Trajectory
 
@@ -32,17 +33,18 @@ class _Stop(Exception):
 
 
 def _rollout_main(
-    config: Config, run_dir: Path, start: int, sampler_state: dict, weights_q: Any, batch_q: Any, threads: int
+    config: Config, run_dir: Path, start: int, start_state: dict, weights_q: Any, batch_q: Any, threads: int
 ) -> None:
     """The rollout process: produce batches start+1 .. train.steps in order, each from the newest weights
-    allowed, and send each with the sampler state after it (the learner checkpoints that state)."""
+    allowed, and send each with the producer's state after it (the learner checkpoints that state)."""
     from polyrl.train.step import build_run, local_rollout, produce_batch
 
     try:
+        learner_pid = os.getppid()
         torch.set_num_threads(threads)
         rt = config.runtime
         run = build_run(config, run_dir)
-        run.sampler.load_state_dict(sampler_state)
+        load_producer_state(run, start_state)
         version = -1
 
         def take(block: bool) -> int:
@@ -50,9 +52,14 @@ def _rollout_main(
             nonlocal version
             newest = None
             while True:
+                waiting = block and newest is None
                 try:
-                    msg = weights_q.get(timeout=None if block and newest is None else 0.001)
+                    msg = weights_q.get(timeout=_POLL_S if waiting else 0.001)
                 except queue.Empty:
+                    if waiting and os.getppid() != learner_pid:  # the learner was killed: end, do not linger
+                        raise _Stop from None
+                    if waiting:
+                        continue
                     break
                 if msg is None:
                     raise _Stop
@@ -74,7 +81,7 @@ def _rollout_main(
             while version < step - 1 - rt.eta:
                 take(True)
             batch = produce_batch(run, step, version, rollout_fn)
-            batch_q.put(("batch", batch, run.sampler.state_dict()))
+            batch_q.put(("batch", batch, producer_state(run)))
     except _Stop:
         return
     except BaseException as exc:  # the learner re-raises it, one line plus the worker's traceback
@@ -91,11 +98,12 @@ class AsyncStepper:
         threads = run.config.runtime.rollout_threads or torch.get_num_threads()
         self.proc = ctx.Process(
             target=_rollout_main,
-            args=(run.config, run.run_dir, start, run.sampler.state_dict(), self.weights_q, self.batch_q, threads),
+            args=(run.config, run.run_dir, start, producer_state(run), self.weights_q, self.batch_q, threads),
             daemon=True,
         )
         self.proc.start()
         self.weights_q.put((start, snapshot(run.model)))
+        self.state = producer_state(run)  # after the last trained batch: the one a checkpoint keeps
         self._last = time.perf_counter()
 
     def _receive(self) -> tuple[Any, dict]:
@@ -114,19 +122,23 @@ class AsyncStepper:
     def step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
         from polyrl.train.step import learn_batch, step_metrics
 
-        batch, sampler_state = self._receive()
+        batch, state = self._receive()
         if batch.step != step:
             raise RuntimeError(f"runtime.kind async: expected the batch of step {step}, got step {batch.step}")
         check_staleness(batch.kept, step - 1, self.eta, "runtime.kind async")
         update, t_update = learn_batch(self.run, batch)
         if step < self.run.config.train.steps:
             self.weights_q.put((step, snapshot(self.run.model)))
-        self.run.sampler.load_state_dict(sampler_state)
+        self.state = state
+        self.run.sampler.load_state_dict(state["sampler"])  # the realised task ratio the loop logs
         now = time.perf_counter()
         metrics = step_metrics(batch, update, t_update, now - self._last)
         self._last = now
         metrics.update(staleness_metrics(batch.kept, step - 1))
         return metrics, batch.kept
+
+    def producer_state(self) -> dict[str, Any]:
+        return self.state
 
     def close(self) -> None:
         if self.proc.is_alive():

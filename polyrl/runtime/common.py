@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Protocol
 
 import torch
@@ -10,11 +11,29 @@ from polyrl.types import Trajectory
 
 
 class Stepper(Protocol):
-    """One training step at a time: ``step(s)`` returns step s's metrics and the trajectories it trained on."""
+    """One training step at a time: ``step(s)`` returns step s's metrics and the trajectories it trained on;
+    ``producer_state()`` is what a checkpoint after that step keeps of the producing half (``producer_state``)."""
 
     def step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]: ...
 
+    def producer_state(self) -> dict[str, Any]: ...
+
     def close(self) -> None: ...
+
+
+def producer_state(run: Any) -> dict[str, Any]:
+    """What the producing half carries from one step to the next, which a resumed run must get back: the task
+    sampler's draws, the replay buffers (``agents``) and the curriculum (``multitask``). A producer that runs
+    ahead of the learner sends it with each batch, so that a checkpoint keeps the state after the batch it
+    trained on, not after those drawn since."""
+    return copy.deepcopy({"sampler": run.sampler.state_dict(), "agents": run.agents.state_dict(),
+                          "multitask": run.multitask.state_dict()})
+
+
+def load_producer_state(run: Any, state: dict[str, Any]) -> None:
+    run.sampler.load_state_dict(state["sampler"])
+    run.agents.load_state_dict(state.get("agents", {}))
+    run.multitask.load_state_dict(state.get("multitask", {}))
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from typing import Any
 from polyrl.config import weight_sync_of
 from polyrl.parallel.group import broadcast_object, current
 from polyrl.parallel.weight_sync import SyncGroup, WeightSender
-from polyrl.runtime.common import check_staleness, snapshot, staleness_metrics
+from polyrl.runtime.common import check_staleness, producer_state, snapshot, staleness_metrics
 from polyrl.runtime.workers import WorkerPool
 from polyrl.train.step import learn_batch, produce_batch, step_metrics
 from polyrl.types import Trajectory
@@ -71,13 +71,15 @@ class RayStepper:
             placeholder = SyncGroup(None, -1, 1 + rt.num_workers, next(run.model.parameters()).device, None)
             self.sender = WeightSender(run.model, placeholder, bucket_mb=rt.sync_bucket_mb)
         self.cond = threading.Condition()
+        self.state = producer_state(run)  # after the last trained batch: the one a checkpoint keeps
         self.version, self.weights = start, None
         self.sync_metrics = self._publish(start)  # a resumed run's weights; at step 0 the workers build the same
         self.out: queue.Queue = queue.Queue()
         self.stop = False
         self.thread = None
         if self.main:
-            # The producer draws from its own sampler; the learner's copy takes each batch's state (checkpoints).
+            # The producer draws from its own sampler (its replay buffers and curriculum are only its own: the
+            # learner's side reads the state shipped with each batch).
             self.producer_run = dataclasses.replace(run, sampler=copy.deepcopy(run.sampler))
             self.thread = threading.Thread(target=self._produce, args=(start,), daemon=True)
             self.thread.start()
@@ -93,7 +95,7 @@ class RayStepper:
                     version, weights = self.version, self.weights
                 fn = lambda reqs, seed, v, first_id, s=step, w=weights: self.pool.scatter(s, reqs, seed, v, first_id, w)  # noqa: E731
                 batch = produce_batch(self.producer_run, step, version, fn)
-                self.out.put(("batch", batch, self.producer_run.sampler.state_dict()))
+                self.out.put(("batch", batch, producer_state(self.producer_run)))
         except BaseException as exc:
             self.out.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
 
@@ -125,9 +127,9 @@ class RayStepper:
         return msg[1], msg[2]
 
     def step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
-        batch, sampler_state = self._next_batch() if self.main else (None, None)
+        batch, state = self._next_batch() if self.main else (None, None)
         if current().distributed:  # every rank trains on rank 0's batch
-            batch, sampler_state = broadcast_object((batch, sampler_state))
+            batch, state = broadcast_object((batch, state))
         if batch.step != step:
             raise RuntimeError(f"runtime.kind ray: expected the batch of step {step}, got step {batch.step}")
         check_staleness(batch.kept, step - 1, self.eta, "runtime.kind ray")
@@ -136,7 +138,8 @@ class RayStepper:
             update, t_update = learn_batch(self.run, batch)
             if step < self.run.config.train.steps:
                 update |= self._publish(step)
-        self.run.sampler.load_state_dict(sampler_state)
+        self.state = state
+        self.run.sampler.load_state_dict(state["sampler"])  # the realised task ratio the loop logs
         now = time.perf_counter()
         metrics = step_metrics(batch, update, t_update, now - self._last)
         self._last = now
@@ -144,6 +147,9 @@ class RayStepper:
         if self.main:
             metrics["ray/worker_restarts"] = float(self.pool.restarts)
         return metrics, batch.kept
+
+    def producer_state(self) -> dict[str, Any]:
+        return self.state
 
     def close(self) -> None:
         with self.cond:

@@ -21,6 +21,7 @@ from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import RankFailedError, all_reduce_max, current, join_group, leave_group
 from polyrl.parallel.launch import launch_ranks
 from polyrl.runtime import make_stepper
+from polyrl.runtime.common import load_producer_state
 from polyrl.runtime.ray_ranks import train_on_ray_ranks
 from polyrl.train import faults
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
@@ -62,9 +63,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         log(f"{run_dir}: no usable checkpoint to resume from; starting from step 0")
     if ckpt is not None:
         state = _restore(run, ckpt)
-        run.sampler.load_state_dict(state["sampler"])
-        run.agents.load_state_dict(state.get("agents", {}))
-        run.multitask.load_state_dict(state.get("multitask", {}))
+        load_producer_state(run, state)
         start, train_time = state["step"], state["train_time_s"]
         log(f"resumed from {ckpt} (step {start})")
 
@@ -74,9 +73,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         _write_json(summary_path, summary, ranks.is_main)
 
     def checkpoint(step: int) -> None:
-        state = {"sampler": run.sampler.state_dict(), "agents": run.agents.state_dict(),
-                 "multitask": run.multitask.state_dict(), "train_time_s": train_time}
-        _save(run, step, state)
+        _save(run, step, {**stepper.producer_state(), "train_time_s": train_time})
 
     resume_step = start if ckpt is not None else None
     logger = open_metrics_logger(config, run_dir, resume_step) if ranks.is_main else _Discard()
