@@ -63,6 +63,8 @@ def test_dry_run_validates_prints_and_estimates_without_training(tmp_path):
     assert re.search(r"samples per step: 6, prompt ~\d+ tokens", text)
     assert re.search(r"update: +[\d.]+ s .*dummy batch of 6 x \d+ tokens", text)
     assert "per decoded token" in text
+    peak = re.search(r"peak memory: ~([\d.]+) GB resident", text)
+    assert peak and 0.05 < float(peak.group(1)) < 24  # a real figure: at least torch's own footprint
     assert not out.exists() and not (tmp_path / "runs").exists()  # nothing trained or written
 
 

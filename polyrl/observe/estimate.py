@@ -8,10 +8,13 @@ Two measurements on the configured model, engine and learner:
   replies that stop early cost less.
 - update: one learner update (forward, backward, optimizer step, and the reference forward when KL is
   measured) on a dummy batch of the configured shape: every reply ``max_new_tokens`` long.
+- peak memory: this process's peak resident set after both, with the run built as training builds it: the
+  expected peak of a training step (held-out evaluation, with its own batch size, may add to it).
 """
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ class StepEstimate:
     prefill_s: float
     per_token_s: float
     update_s: float
+    peak_rss_bytes: int | None = None
 
     @property
     def rollout_s(self) -> float:
@@ -53,6 +57,8 @@ class StepEstimate:
             f"{self.prompt_tokens + self.max_new_tokens} tokens, timed)",
             f"step:   <= {self.step_s:.2f} s; {steps} steps <= {_duration(self.step_s * steps)} "
             "(held-out evaluation before/after not included)",
+            *([f"peak memory: ~{self.peak_rss_bytes / 1e9:.2f} GB resident (this process, after the rollout and "
+               "the update above; replies as long as allowed)"] if self.peak_rss_bytes else []),
         ])
 
 
@@ -130,4 +136,15 @@ def estimate_step(config: Config) -> StepEstimate:
     return StepEstimate(
         samples=ro.prompts_per_step * ro.group_size, prompt_tokens=len(prompt), prompt_source=source,
         max_new_tokens=ro.max_new_tokens, prefill_s=prefill, per_token_s=per_token, update_s=update,
+        peak_rss_bytes=_peak_rss_bytes(),
     )
+
+
+def _peak_rss_bytes() -> int | None:
+    """This process's peak resident set (Linux reports kilobytes, macOS bytes); None where unknown."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
