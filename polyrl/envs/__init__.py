@@ -1,11 +1,20 @@
 """Environments: the reset/step protocol, tools from Python functions, tool-call parsers and built-in envs.
 
 Importing this package registers the built-in envs (reasoning_gym, tool_math, retrieval_qa, frozen_lake,
-gym, humaneval, instruct) and agent tasks (``tasks[].agent``); ``make_task`` builds the task a config entry
+gym, humaneval, instruct, textarena) and agent tasks (``tasks[].agent``); ``make_task`` builds the task a config entry
 names.
 """
 
-from polyrl.envs import agent, gym_text, humaneval, instruct, reasoning_gym, retrieval, tool_math  # noqa: F401
+from polyrl.envs import (  # noqa: F401
+    agent,
+    gym_text,
+    humaneval,
+    instruct,
+    reasoning_gym,
+    retrieval,
+    textarena_env,
+    tool_math,
+)
 from polyrl.envs.base import (
     ENVS,
     Env,
