@@ -179,7 +179,7 @@ def worker_trl(args) -> dict:
 def evaluate_dir(path: str | None, eval_n: int) -> float:
     from polyrl.engines.hf import HFEngine
     from polyrl.models.loading import SMOLLM2_ALIAS, load_model, load_tokenizer
-    from polyrl.rollout.single_turn import evaluate
+    from polyrl.rollout.multi_turn import evaluate
 
     name = path or SMOLLM2_ALIAS
     engine = HFEngine(load_model(name), load_tokenizer(SMOLLM2_ALIAS), bf16=False)

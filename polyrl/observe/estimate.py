@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.config import Config
+from polyrl.rollout.render import ChatRenderer
 from polyrl.types import Trajectory
 
 ASSUMED_PROMPT_TOKENS = 64
@@ -73,12 +74,10 @@ def _duration(seconds: float) -> str:
 def _prompt(run: Any) -> tuple[list[int], str]:
     """Token ids of the first training prompt, or a dummy prompt of an assumed length."""
     try:
-        from polyrl.rollout.single_turn import encode_prompt
-
         task = next(iter(run.tasks.values()))
         item = task.train_item(0)
         messages = task.messages(item) if hasattr(task, "messages") else task.make_env().reset(item)
-        return encode_prompt(run.tokenizer, messages), "the first training prompt"
+        return ChatRenderer(run.tokenizer).prompt(messages)[1], "the first training prompt"
     except Exception:  # noqa: BLE001 - an estimate only needs a plausible prompt length
         return [run.engine.pad_id] * ASSUMED_PROMPT_TOKENS, f"assumed {ASSUMED_PROMPT_TOKENS} tokens"
 
