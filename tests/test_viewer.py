@@ -326,3 +326,36 @@ def test_page_shows_turns_env_tokens_and_branch_tree(browser_page, tmp_path):
         assert page.errors == []
     finally:
         srv.close()
+
+
+def test_page_filters_by_reward_hacking_monitor(browser_page, tmp_path):
+    """The monitor filter (polyrl/rewards/monitors.py flags in info.monitor_flags): any flag, none, one flag."""
+    run = tmp_path / "monitored"
+    run.mkdir()
+    (run / "config.yaml").write_text("name: monitored\nmodel:\n  name: tiny-random\n")
+    base = {"step": 1, "task": "he", "item_id": 0, "group_id": 0, "input_ids": [1, 2, 3], "loss_mask": [0, 1, 1],
+            "logprobs": [0.0, -0.1, -0.2], "versions": [-1, 0, 0], "text": "def f(x): ...", "reward": 1.0}
+    flags = [[], ["early_exit"], ["equality_override", "writes_outside"], []]
+    rows = [{**base, "item_id": i, "info": {"monitor_flags": f}} for i, f in enumerate(flags)]
+    rows.append({**base, "item_id": 9, "task": "other", "info": {}})  # a task the monitors do not check
+    (run / "trajectories.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    s = Served(run)
+    try:
+        _, listing = s.get("/api/trajectories")
+        assert [r["monitor_flags"] for r in listing["rows"]] == [*flags, []]
+        page = browser_page
+        page.goto(s.url)
+        page.wait_for_selector("#traj-table tbody tr")
+        assert _rows(page).count() == 5
+        page.select_option("#f-monitor", "flagged")
+        assert _rows(page).count() == 2
+        assert "early exit" in page.inner_text("#traj-table tbody")
+        page.select_option("#f-monitor", "writes_outside")
+        assert _rows(page).count() == 1
+        page.select_option("#f-monitor", "clean")
+        assert _rows(page).count() == 3
+        page.click("#f-reset")
+        assert _rows(page).count() == 5
+        assert page.errors == []
+    finally:
+        s.close()

@@ -18,6 +18,7 @@ from polyrl.config.features import (
     ArpoConfig,
     CurriculumConfig,
     EarlyStopConfig,
+    MonitorsConfig,
     PhaseConfig,
     PipelineConfig,
     ReplayConfig,
@@ -58,6 +59,7 @@ __all__ = [
     "LoggingConfig",
     "LoraConfig",
     "ModelConfig",
+    "MonitorsConfig",
     "OptimConfig",
     "PhaseConfig",
     "PipelineConfig",
@@ -97,6 +99,8 @@ class Config(_Strict):
     pipeline: PipelineConfig = PipelineConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     """Where rollouts and learning run: in one process, overlapped in two, or as Ray actors."""
+    monitors: MonitorsConfig = MonitorsConfig()
+    """Reward-hacking monitors: flags in metrics, report and viewer; optionally zero flagged rewards."""
 
     @model_validator(mode="after")
     def _check_stages(self) -> Config:

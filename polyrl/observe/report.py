@@ -74,6 +74,9 @@ def load_run(run_dir: Path) -> RunData:
         for _, row in read_jsonl(traj_path):
             sample = {k: row[k] for k in keep if k in row}
             sample["model_tokens"] = sum(sample.pop("loss_mask", []) or [])
+            info = row.get("info") if isinstance(row.get("info"), dict) else {}
+            if isinstance(info.get("monitor_flags"), list):
+                sample["monitor_flags"] = [str(f) for f in info["monitor_flags"]]
             data.samples.append(sample)
     config_path = run_dir / "config.yaml"
     if config_path.is_file():
@@ -103,6 +106,8 @@ PANELS = [
     Panel("Step time", "seconds", lambda k: k in ("step_time_s", "rollout_time_s", "update_time_s")
           or k.startswith("time/")),
     Panel("Loss", "loss", lambda k: k == "loss" or k.startswith("loss/")),
+    Panel("Reward-hacking monitors", "share of rewarded samples",
+          lambda k: k.startswith("monitor/") and k != "monitor/zeroed"),
 ]
 
 
@@ -250,6 +255,28 @@ def plots_section(metrics: list[dict[str, Any]]) -> str:
     return out
 
 
+def monitors_section(metrics: list[dict[str, Any]]) -> str:
+    """The reward-hacking monitors (polyrl/rewards/monitors.py) over the run: per flag, the mean and the last
+    step's share of rewarded samples that carry it, and the steps where any did; samples zeroed in all."""
+    keys = sorted({k for row in metrics for k in row if k.startswith("monitor/") and k != "monitor/zeroed"})
+    if not keys:
+        return ""
+    rows = []
+    for key in keys:
+        values = [(row["step"], row[key]) for row in metrics if isinstance(row.get(key), int | float)]
+        if not values:
+            continue
+        hit = [step for step, v in values if v > 0]
+        rows.append(f"<tr><td>{_e(key)}</td><td class=num>{_pct(sum(v for _, v in values) / len(values))}</td>"
+                    f"<td class=num>{_pct(values[-1][1])}</td><td class=num>{len(hit)} of {len(values)}</td></tr>")
+    zeroed = sum(float(row.get("monitor/zeroed") or 0) for row in metrics)
+    return ("<h2>Reward-hacking monitors</h2><p class=meta>Share of the rewarded samples of monitored tasks "
+            "(code, last-number answers) whose text shows each shortcut; filter them in <code>polyrl view</code>."
+            f" Samples whose reward was zeroed (<code>monitors.zero_flagged</code>): {zeroed:.0f}.</p>"
+            "<table id=monitors><tr><th>metric</th><th>mean over steps</th><th>last step</th>"
+            "<th>steps with any</th></tr>" + "".join(rows) + "</table>")
+
+
 def samples_section(samples: list[dict[str, Any]]) -> str:
     if not samples:
         return ""
@@ -280,8 +307,9 @@ def samples_section(samples: list[dict[str, Any]]) -> str:
             text = str(s.get("text", ""))
             if len(text) > MAX_EXAMPLE_CHARS:
                 text = text[:MAX_EXAMPLE_CHARS] + " …"
-            flags = "".join(f"<span class=flag>{f.replace('_', ' ')}</span>"
-                            for f in ("truncated", "terminated_early", "replayed") if s.get(f))
+            flags = "".join(f"<span class=flag>{_e(f.replace('_', ' '))}</span>"
+                            for f in [*(f for f in ("truncated", "terminated_early", "replayed") if s.get(f)),
+                                      *s.get("monitor_flags", [])])
             example_rows.append(
                 f"<tr><td>{_e(task)}</td><td class=num>{_fmt(s.get('item_id', '-'))}</td>"
                 f"<td class=num>{_fmt(float(s.get('reward', 0.0)))}</td>"
@@ -317,6 +345,7 @@ def render(data: RunData) -> str:
         eval_section(data.summary),
         stages_section(data.summary),
         plots_section(data.metrics) if data.metrics else "<p>metrics.jsonl has no steps yet.</p>",
+        monitors_section(data.metrics),
         samples_section(data.samples),
     ]
     if data.config_text is not None:

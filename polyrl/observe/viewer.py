@@ -72,6 +72,8 @@ def summarise(index: int, row: dict[str, Any]) -> dict[str, Any]:
     """The listing row of one trajectory: what the filters and the table need, without token arrays."""
     text = str(row.get("text", ""))
     mask = row.get("loss_mask") or []
+    info = row.get("info") if isinstance(row.get("info"), dict) else {}
+    monitor = info.get("monitor_flags")
     return {
         "i": index,
         "step": row.get("step"),
@@ -81,6 +83,8 @@ def summarise(index: int, row: dict[str, Any]) -> dict[str, Any]:
         "reward": _finite(row.get("reward")),
         "advantage": _finite(row.get("advantage")),
         **{f: bool(row.get(f, False)) for f in FLAGS},
+        # reward-hacking monitors (polyrl/rewards/monitors.py); absent for tasks they do not check
+        "monitor_flags": [str(f) for f in monitor] if isinstance(monitor, list) else [],
         "model_tokens": int(sum(mask)),
         "tokens": len(row.get("input_ids") or []),
         "turns": len(row.get("turn_spans") or []),

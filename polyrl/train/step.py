@@ -23,11 +23,12 @@ from polyrl.endpoint.rollout import evaluate_agent
 from polyrl.engines import make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.agent import AgentTask
-from polyrl.envs.base import Task, make_task
+from polyrl.envs.base import Task, env_name, make_task
 from polyrl.models.device import resolve_device
 from polyrl.models.loading import holds_bf16_weights, load_model, load_tokenizer
 from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import SHARD_SEED_STRIDE, all_gather_objects, contiguous_shards, current
+from polyrl.rewards.monitors import RewardMonitor, monitor_kind, monitor_metrics
 from polyrl.rollout.multi_turn import evaluate, rollout_metrics
 from polyrl.runtime.allocator import keep_freed_memory
 from polyrl.train import faults
@@ -60,6 +61,8 @@ class Run:
     sampler: TaskSampler
     agents: AgentFeatures
     multitask: MultiTask | None = None
+    monitor: RewardMonitor | None = None
+    """Reward-hacking monitors (``monitors``), when on and some task has checks."""
 
 
 def load_policy(config: Config) -> tuple[Any, Any]:
@@ -93,8 +96,10 @@ def build_run(config: Config, run_dir: Path) -> Run:
     learner.replay_is_cap = config.agents.replay.is_cap
     if config.rollout.cross_policy is not None:
         learner.is_cap = config.rollout.cross_policy.is_cap
+    monitor = RewardMonitor({t.name: monitor_kind(env_name(t), t.answer) for t in config.tasks}, tokenizer.decode,
+                            config.monitors.zero_flagged, config.monitors.many_numbers)
     return Run(config, run_dir, model, engine_model, tokenizer, tasks, engine, learner, sampler, AgentFeatures(config),
-               MultiTask(config, tasks, tokenizer))
+               MultiTask(config, tasks, tokenizer), monitor if config.monitors.enabled and monitor.active else None)
 
 
 RolloutFn = Callable[[list[tuple[Task, int, dict[str, Any]]], int, int, int], list[Trajectory]]
@@ -158,6 +163,8 @@ def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: R
         trajectories = mt.rollout(rollout_fn, lambda eng, reqs, *a: run.agents.rollout(eng, reqs, cfg.rollout, *a),
                                   requests, seed, version, first_id)
         mt.after_rollout(trajectories, requests, first_id)  # weighted reward components (env, judge)
+        if run.monitor is not None:  # reward-hacking flags; zeroes flagged rewards if asked, before replay sees them
+            run.monitor.after_rollout(trajectories)
         run.agents.after_rollout(trajectories, step)  # success replay mixes into all-fail groups here
         return trajectories
 
@@ -166,6 +173,8 @@ def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: R
     t_rollout = time.perf_counter() - t0
     shaping = shape_rewards(groups.sampled, algo, cfg.rollout.max_new_tokens)
     shaping.update(mt.observe(step, groups.sampled))  # curriculum levels, pass rates, mixture
+    if run.monitor is not None:
+        shaping.update(monitor_metrics(groups.sampled))
     assign_advantages(groups.kept, algo)
     shaping.update(run.agents.after_advantages(groups.kept, groups.sampled))  # step credit, ARPO attribution
     return ScoredBatch(step, groups, shaping, t_rollout)

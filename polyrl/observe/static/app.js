@@ -48,6 +48,7 @@ function currentFilters() {
     stepMin: num("f-step-min"), stepMax: num("f-step-max"),
     rMin: num("f-rmin"), rMax: num("f-rmax"),
     text: document.getElementById("f-text").value.toLowerCase(),
+    monitor: document.getElementById("f-monitor").value,
     flags,
   };
 }
@@ -63,12 +64,18 @@ function matches(row, f) {
     if (f.flags[flag] === "no" && row[flag]) return false;
   }
   if (f.text && !row.preview.toLowerCase().includes(f.text)) return false;
+  // reward-hacking monitors: "flagged" (any flag), "clean" (none), or one flag by name
+  const monitor = row.monitor_flags || [];
+  if (f.monitor === "flagged" && monitor.length === 0) return false;
+  if (f.monitor === "clean" && monitor.length > 0) return false;
+  if (f.monitor && f.monitor !== "flagged" && f.monitor !== "clean" && !monitor.includes(f.monitor)) return false;
   return true;
 }
 
 function flagBadges(row) {
   const span = el("span");
   for (const f of FLAGS) if (row[f]) span.append(el("span", { class: "flag " + f, text: f.replace("_", " ") }));
+  for (const m of row.monitor_flags || []) span.append(el("span", { class: "flag monitor", text: m.replace("_", " ") }));
   return span;
 }
 
