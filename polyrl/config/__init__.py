@@ -186,6 +186,9 @@ class Config(_Strict):
         """Reward components have distinct names and rules a valid pattern; the gate's outcome is one every
         task's trajectories record."""
         for i, task in enumerate(self.tasks):
+            if task.attempts > 1 and task.max_turns is not None:
+                raise ValueError(f"tasks.{i}.max_turns: tasks[].attempts sets the turns of a try-again episode; "
+                                 "leave max_turns unset")
             for j, comp in enumerate(task.reward_components):
                 key = f"tasks.{i}.reward_components.{j}.pattern"
                 if (comp.kind == "rule") != (comp.pattern is not None):

@@ -119,6 +119,13 @@ class TaskConfig(_Strict):
     weight: float = Field(1.0, gt=0)
     params: dict[str, Any] = {}
     """Passed to the environment: for reasoning_gym, the dataset constructor's difficulty parameters."""
+    attempts: int = Field(1, gt=0)
+    """Try again: a single-turn task becomes an episode of up to this many attempts; a wrong answer gets
+    ``attempt_feedback`` and another try. 1 is the task as it is."""
+    attempt_feedback: str = "That is not correct. Try again."
+    """The user message after a wrong attempt (attempts > 1)."""
+    attempt_discount: float = Field(1.0, gt=0, le=1)
+    """A success at attempt k earns its reward times attempt_discount ** (k - 1) (attempts > 1)."""
     max_turns: int | None = Field(None, gt=0)
     """Model turns per episode; unset uses the env's default (1 for single-turn tasks)."""
     max_tokens: int | None = Field(None, gt=0)

@@ -82,6 +82,34 @@ class SingleTurnEnv(Env):
         return StepResult([], score, True, {"score": score})
 
 
+class TryAgainEnv(Env):
+    """A single-turn task as a multi-turn episode: a wrong answer gets ``feedback`` and another attempt, up to
+    ``attempts`` in all (``tasks[].attempts``). The episode ends at the first success (the env's ``score``
+    reaching 1) or after the last attempt; its reward is that attempt's, times ``discount`` per earlier
+    attempt, so a later success can be worth less. ``info["score"]`` stays the undiscounted success, so
+    held-out accuracy with the wrapper is accuracy at k attempts; ``info["attempts"]`` is how many were used.
+    """
+
+    def __init__(self, inner: Env, attempts: int, feedback: str, discount: float = 1.0) -> None:
+        if inner.max_turns != 1 or inner.tools:
+            raise ValueError(f"tasks[].attempts: needs a single-turn env without tools, got {type(inner).__name__}")
+        self.inner, self.max_turns, self.feedback, self.discount = inner, attempts, feedback, discount
+        self.attempt = 0
+
+    def reset(self, item: dict[str, Any]) -> list[Message]:
+        self.attempt = 0
+        return self.inner.reset(item)
+
+    def step(self, assistant_message: str) -> StepResult:
+        self.attempt += 1
+        result = self.inner.step(assistant_message)
+        score = float(result.info.get("score", result.reward))
+        if score >= 1.0 or self.attempt >= self.max_turns:
+            info = {**result.info, "score": score, "attempts": self.attempt}
+            return StepResult([], result.reward * self.discount ** (self.attempt - 1), True, info)
+        return StepResult([{"role": "user", "content": self.feedback}], 0.0, False, {"attempts": self.attempt})
+
+
 class Task:
     """A named stream of items and the env that plays them. Items are a pure function of an integer seed,
     so the training stream (``seed + index``) and the held-out set are deterministic and lazy."""
@@ -108,6 +136,8 @@ class Task:
                 raise ValueError(f"task '{self.name}': tool_latency_s needs a tool env (a ToolEnv), got "
                                  f"{type(env).__name__}")
             env.tool_latency_s = self.config.tool_latency_s
+        if self.config.attempts > 1:
+            env = TryAgainEnv(env, self.config.attempts, self.config.attempt_feedback, self.config.attempt_discount)
         return env
 
     def train_item(self, index: int) -> dict[str, Any]:
