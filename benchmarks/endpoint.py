@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--eval", type=int, default=100, help="held-out items")
     parser.add_argument("--rounds", type=int, default=4, help="overhead: rollout rounds per arm")
     parser.add_argument("--set", action="append", default=[], help="config override for both arms")
+    parser.add_argument("--arms", default="native,endpoint", help="train: which arms, in order")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "endpoint.json")
     args = parser.parse_args()
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -144,17 +145,19 @@ def main() -> None:
     result.update(machine=cpu, config="configs/tool_math.yaml")
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
-    def save(part: str, value: Any) -> None:  # after each part, so a stopped run keeps what it measured
-        result[part] = value
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    def save(part: str, value: dict[str, Any]) -> None:
+        """Merge into the file as it is now, after each part: a stopped run keeps what it measured, and arms
+        run by separate processes (``--arms``) land in one file."""
+        now = json.loads(args.out.read_text()) if args.out.exists() else result
+        now[part] = {**now.get(part, {}), **value}
+        args.out.write_text(json.dumps(now, indent=2) + "\n")
         print(json.dumps({part: value}, indent=1), flush=True)
 
     if args.part in ("overhead", "all"):
         save("overhead", {"overrides": args.set, **overhead(args)})
     if args.part in ("train", "all"):
-        arms = {"overrides": args.set, "eval_items": args.eval, "native": train_arm(False, args)}
-        save("train", arms)
-        save("train", {**arms, "endpoint": train_arm(True, args)})
+        for arm in args.arms.split(","):
+            save("train", {"overrides": args.set, "eval_items": args.eval, arm: train_arm(arm == "endpoint", args)})
     print(args.out)
 
 
