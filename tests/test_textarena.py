@@ -9,6 +9,8 @@ import re
 import sys
 
 import pytest
+import yaml
+from conftest import ROOT
 
 pytest.importorskip("textarena")
 
@@ -122,17 +124,18 @@ def test_bad_game_in_a_config_file_names_the_key():
         load_config(None, data=data)
 
 
-def test_a_short_train_run_on_two_games(tmp_path):
+def test_the_documented_config_trains_two_steps(tmp_path):
     from polyrl.train.loop import train
 
-    tasks = [{"name": "guess", "env": "textarena", "params": {"game": "GuessTheNumber-v0"}, "max_turns": 3,
-              "eval_size": 2},
-             {"name": "ttt", "env": "textarena", "max_turns": 3, "eval_size": 2,
-              "params": {"game": "TicTacToe-v0", "num_players": 2, "opponent": "random"}}]
-    cfg = load_config(None, data={**TINY, "tasks": tasks, "train": {"steps": 2},
+    text = (ROOT / "docs" / "agents.md").read_text()
+    block = re.search(r"<!-- textarena-example:start -->(.*?)<!-- textarena-example:end -->", text, re.DOTALL)
+    tasks = yaml.safe_load(re.search(r"```yaml\n(.*?)```", block.group(1), re.DOTALL).group(1))["tasks"]
+    for task in tasks:
+        task["eval_size"] = 2
+    cfg = load_config(None, data={**TINY, "tasks": tasks, "train": {"steps": 2}, "eval": {"before": False},
                                   "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8}})
     summary = train(cfg, tmp_path / "run", log=lambda m: None)
-    assert set(summary["eval_after"]) == {"guess", "ttt"}
+    assert set(summary["eval_after"]) == {"guess", "tictactoe"} and "eval_before" not in summary
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
     # a random model's replies are malformed moves: the games go on (or are lost), the run does not stop
