@@ -59,6 +59,7 @@ def train(
 
     from polyrl.observe.metrics import SinkError
     from polyrl.parallel.group import RankFailedError
+    from polyrl.train.checkpoint import CheckpointError
 
     if cfg.stages:  # a pipeline: every stage is a run under RUN_DIR/stages/
         from polyrl.train.pipeline import run_pipeline
@@ -72,7 +73,7 @@ def train(
         return
     try:
         summary = run_training(cfg, run_dir, resume=resume, log=log)
-    except (ModelNotFoundError, ValueError, NonFiniteError, SinkError, RankFailedError) as exc:
+    except (ModelNotFoundError, ValueError, NonFiniteError, SinkError, RankFailedError, CheckpointError) as exc:
         _fail(str(exc))
     _print_summary(summary, run_dir)
     if cfg.logging.report and (run_dir / "report.html").exists():

@@ -35,20 +35,40 @@ def open_step_log(path: Path, keep_through_step: int | None):
     checkpoint, so the file reads as one uninterrupted run.
     """
     if keep_through_step is not None and path.exists():
-        kept = []
-        for line in path.read_text(errors="replace").splitlines():
-            try:
-                step = json.loads(line).get("step", 0)
-            except ValueError:  # a line torn by a kill in the middle of a large write
-                continue
-            if step <= keep_through_step:
-                kept.append(line)
+        kept, bad = _readable_lines(path, keep_through_step)
+        if bad:  # a line torn by a kill mid-write, or a damaged file: named, dropped; the rest is kept
+            shown = ", ".join(str(n) for n in bad[:5]) + (" ..." if len(bad) > 5 else "")
+            log.warning("%s: %d unreadable line(s) dropped on resume (line %s); %d kept", path, len(bad), shown,
+                        len(kept))
         tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.write_bytes(b"".join(line + b"\n" for line in kept))
         os.replace(tmp, path)
     elif keep_through_step is None and path.exists():
         path.unlink()
     return open(path, "a")  # noqa: SIM115 - held open for the run
+
+
+def _readable_lines(path: Path, keep_through_step: int) -> tuple[list[bytes], list[int]]:
+    """The lines of a step log up to ``keep_through_step``, as bytes, and the numbers of the lines that are not
+    a JSON object with an integer ``step`` (bad UTF-8, bad JSON, a NUL-filled tail)."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SinkError(f"{path}: cannot be read to resume the run ({exc.strerror or exc})") from None
+    kept, bad = [], []
+    for lineno, line in enumerate(raw.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+            step = row["step"] if isinstance(row, dict) else None
+        except (ValueError, KeyError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            step = None
+        if not isinstance(step, int) or isinstance(step, bool):
+            bad.append(lineno)
+        elif step <= keep_through_step:
+            kept.append(line)
+    return kept, bad
 
 
 class JsonlSink:

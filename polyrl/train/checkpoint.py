@@ -2,6 +2,8 @@
 RNG states and sampler state, written atomically (temp dir, fsync, rename) with a manifest of checksums.
 
 A torn or corrupt checkpoint fails its checksum; ``latest_checkpoint`` names it and falls back to the one before.
+A save that fails (a full disk) removes its temp dir and raises ``CheckpointError``; the checkpoints before it
+are untouched, since old ones are pruned only after a new one is in place.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from polyrl.train import faults
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (e.g. the disk is full); the message names the one a resume uses."""
+
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -60,15 +67,37 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     run_dir: Path, step: int, model, tokenizer, optimizer_state: dict, state: dict[str, Any], keep: int = 2
 ) -> Path:
-    """Write ``checkpoints/step-N`` atomically; keep only the newest ``keep`` checkpoints."""
+    """Write ``checkpoints/step-N`` atomically; keep only the newest ``keep`` checkpoints. A failed write
+    (``OSError``: a full disk, a quota) raises ``CheckpointError`` and leaves the earlier checkpoints as they
+    were."""
     root = run_dir / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     tmp = root / f".step-{step}.tmp"
+    try:
+        _write_files(tmp, step, model, tokenizer, optimizer_state, state)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # free what the failed save took
+        earlier = [p for p in list_checkpoints(run_dir) if p != final and verify_checkpoint(p) is None]
+        kept = f"{earlier[-1]} is intact; --resume continues from it" if earlier else "no earlier checkpoint exists"
+        raise CheckpointError(f"{final}: checkpoint not written ({exc.strerror or exc}); {kept}") from exc
+    if final.exists():  # a re-run of the same step after a resume: replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    faults.point("ckpt_renamed", step)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_files(tmp: Path, step: int, model, tokenizer, optimizer_state: dict, state: dict[str, Any]) -> None:
+    """Every file of a checkpoint and its manifest into ``tmp``, fsynced."""
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    faults.point("ckpt_weights", step)
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(rng_state(), tmp / "rng.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
@@ -81,14 +110,6 @@ def save_checkpoint(
             os.fsync(f.fileno())
     _fsync_dir(tmp)
     faults.point("ckpt_manifest", step)
-    if final.exists():  # a re-run of the same step after a resume: replace it whole
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    faults.point("ckpt_renamed", step)
-    for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:

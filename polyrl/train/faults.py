@@ -7,20 +7,26 @@ the point (generation after ``rollout``, the optimizer update after ``update``).
 names a file that gets one ``phase:step`` line per point reached, so a test can tell where a kill landed.
 ``POLYRL_TEST_KILL_ONCE`` names a marker file: only the first process to create it is killed (the ranks of a
 run restarted after the kill reach the same point again and must live).
-Both unset (the normal case), ``point`` costs two environment lookups.
+``POLYRL_TEST_DISK_FULL_AT="phase:step"`` makes ``point`` raise ``OSError(ENOSPC)`` there instead, as a write
+on a full disk would.
+All unset (the normal case), ``point`` costs three environment lookups.
 
 Points: ``rollout`` (start of a step), ``update`` (before the optimizer update), ``logged`` (metrics and
-trajectories written), ``ckpt_files`` / ``ckpt_manifest`` / ``ckpt_renamed`` (inside ``save_checkpoint``:
-files written to the temp dir, manifest written, temp dir renamed into place).
+trajectories written), ``ckpt_weights`` / ``ckpt_files`` / ``ckpt_manifest`` / ``ckpt_renamed`` (inside
+``save_checkpoint``: weights written to the temp dir, every file written, manifest written, temp dir renamed
+into place), ``eval_before`` (step 0) and ``eval_after`` (the last step) at the start of an evaluation,
+``report`` before the report is written.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import threading
 
 KILL_AT = "POLYRL_TEST_KILL_AT"
+DISK_FULL_AT = "POLYRL_TEST_DISK_FULL_AT"
 KILL_ONCE = "POLYRL_TEST_KILL_ONCE"
 TRACE = "POLYRL_TEST_FAULT_TRACE"
 _seen: dict[str, int] = {}
@@ -36,6 +42,8 @@ def point(phase: str, step: int) -> None:
     if trace:
         with open(trace, "a") as f:
             f.write(f"{phase}:{step}\n")
+    if os.environ.get(DISK_FULL_AT) == f"{phase}:{step}":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     spec = os.environ.get(KILL_AT)
     if not spec:
         return

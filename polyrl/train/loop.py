@@ -68,6 +68,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         log(f"resumed from {ckpt} (step {start})")
 
     if config.eval.before and "eval_before" not in summary:
+        faults.point("eval_before", 0)
         summary["eval_before"] = evaluate_all(run)
         log(f"eval before: {json.dumps(summary['eval_before'])}")
         _write_json(summary_path, summary, ranks.is_main)
@@ -112,6 +113,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         checkpoint(step)
 
     if config.eval.after:
+        faults.point("eval_after", step)
         summary["eval_after"] = evaluate_all(run)
         log(f"eval after:  {json.dumps(summary['eval_after'])}")
     if "eval_before" in summary and "eval_after" in summary:
@@ -121,6 +123,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     )
     _write_json(summary_path, summary, ranks.is_main)
     if config.logging.report and ranks.is_main:
+        faults.point("report", step)
         write_report_safely(run_dir, log)
     return summary
 
