@@ -50,6 +50,24 @@ def test_guess_the_number_is_won_by_bisection_and_scored_by_the_game():
         assert result.reward == 1.0 and result.info["score"] == 1.0 and turns <= 5
 
 
+def test_a_game_has_its_own_random_stream():
+    """TextArena seeds the global ``random``: the env keeps that inside the game, and the game a function of its
+    item whatever the process drew before."""
+    import random
+
+    task = _task(game="GuessTheNumber-v0")
+    secrets = []
+    for outside_seed in (1, 2):
+        random.seed(outside_seed)
+        expected = random.Random(outside_seed).random()
+        env = task.make_env()
+        env.reset(task.train_item(4))
+        env.step("[1]")
+        assert random.random() == expected
+        secrets.append(env.game.state.game_state["game_number"])
+    assert secrets[0] == secrets[1]
+
+
 def test_malformed_moves_are_warned_then_lose_the_game_without_an_error():
     task = _task(game="GuessTheNumber-v0")
     env = task.make_env()
@@ -60,6 +78,20 @@ def test_malformed_moves_are_warned_then_lose_the_game_without_an_error():
     second = env.step("")
     assert second.done and second.reward == 0.0 and second.info["invalid_moves"] == 2
     assert "Invalid Move" in second.info["outcome"]
+
+
+def test_a_reply_that_breaks_the_game_loses_it(caplog):
+    task = _task(game="TicTacToe-v0", num_players=2, opponent="random", seat=0)
+    env = task.make_env()
+    env.reset(task.train_item(0))
+
+    def broken(action):
+        raise IndexError("the game's own parser failed")
+
+    env.game.step = broken
+    result = env.step("[[[")
+    assert result.done and result.reward == -1.0 and result.info["outcome"] == "game error: IndexError"
+    assert "the game raised IndexError" in caplog.text
 
 
 def test_tic_tac_toe_against_the_random_opponent_from_either_seat():

@@ -11,9 +11,11 @@ turn the game ends.
 
 from __future__ import annotations
 
+import logging
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -24,6 +26,7 @@ from polyrl.loader import is_reference, load_object
 if TYPE_CHECKING:  # type-only: config validates task names through this package
     from polyrl.config import TaskConfig
 
+logger = logging.getLogger(__name__)
 _BRACKETED = re.compile(r"\[[^\[\]\n]{1,40}\]")
 Opponent = Callable[[str], str]
 
@@ -52,9 +55,9 @@ class TextArenaParams(BaseModel):
     """Policy turns before the episode is cut (reward 0); ``tasks[].max_turns`` overrides it."""
 
 
-def format_observation(observation: list[tuple[int, str, Any]], seat: int) -> str:
-    """TextArena's raw observation (sender, text, kind) as one message; the policy's own echoed action is left
-    out (it is already in the conversation as the assistant's turn)."""
+def format_observation(observation: list[tuple[int, str, Any]], seat: int | None) -> str:
+    """TextArena's raw observation (sender, text, kind) as one message; the echo of ``seat``'s own action is
+    left out (for the policy it is already in the conversation as the assistant's turn)."""
     lines = []
     for sender, text, _ in observation:
         if sender == seat:
@@ -89,11 +92,27 @@ class TextArenaEnv(Env):
         self.ended_early = False
         self.opponent: Opponent | None = None
         self.invalid_moves = 0
+        self.rng_state: Any = None
+
+    @contextmanager
+    def _game_rng(self) -> Iterator[None]:
+        """TextArena games seed and draw from the global ``random``; give them their own stream, so that a game
+        stays a function of its seed and the rest of the process keeps its own."""
+        outside = random.getstate()
+        if self.rng_state is not None:
+            random.setstate(self.rng_state)
+        try:
+            yield
+        finally:
+            self.rng_state = random.getstate()
+            random.setstate(outside)
 
     def reset(self, item: dict[str, Any]) -> list[Message]:
         ta, p = _textarena(), self.params
         self.game = ta.make(f"{p.game}-raw", **p.kwargs)
-        self.game.reset(num_players=p.num_players, seed=item["seed"])
+        self.rng_state = None
+        with self._game_rng():
+            self.game.reset(num_players=p.num_players, seed=item["seed"])
         self.seat = p.seat if p.seat is not None else item["seed"] % p.num_players
         if self.make_opponent is not None:
             self.opponent = self.make_opponent(random.Random(item["seed"]))
@@ -114,13 +133,23 @@ class TextArenaEnv(Env):
         done, info = False, {}
         while not done and self.game.state.current_player_id != self.seat:
             _, observation = self.game.get_observation()
-            done, info = self.game.step(self.opponent(format_observation(observation, -99)))
+            move = self.opponent(format_observation(observation, None))
+            with self._game_rng():
+                done, info = self.game.step(move)
         return done, info
 
     def step(self, assistant_message: str) -> StepResult:
         if self.ended_early:
             return StepResult([], 0.0, True, {"score": 0.0, "invalid_moves": 0, "outcome": "opponent forfeited"})
-        done, _ = self.game.step(assistant_message)
+        try:
+            with self._game_rng():
+                done, _ = self.game.step(assistant_message)
+        except Exception as exc:  # noqa: BLE001 - a game whose parser breaks on a reply: the reply loses
+            logger.warning("textarena %s: the game raised %s on a reply; scored as a loss", self.params.game,
+                           type(exc).__name__)
+            reward = -1.0 if self.params.num_players > 1 else 0.0
+            return StepResult([], reward, True, {"score": reward, "invalid_moves": self.invalid_moves + 1,
+                                                 "outcome": f"game error: {type(exc).__name__}"})
         if not done:
             done, _ = self._opponents_move()
         if not done:
