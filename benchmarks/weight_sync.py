@@ -41,13 +41,13 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from polyrl.parallel.sync_group import join_sync_group  # noqa: E402
 from polyrl.parallel.weight_sync import (  # noqa: E402
     MB,
     WeightReceiver,
     WeightSender,
     canonical_name,
     iter_full_state,
-    join_sync_group,
 )
 
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,

@@ -19,14 +19,8 @@ import torch
 import torch.multiprocessing as mp
 
 from polyrl.parallel.launch import free_port
-from polyrl.parallel.weight_sync import (
-    SyncGroup,
-    WeightReceiver,
-    WeightSender,
-    canonical_name,
-    iter_full_state,
-    join_sync_group,
-)
+from polyrl.parallel.sync_group import SyncGroup, join_sync_group
+from polyrl.parallel.weight_sync import WeightReceiver, WeightSender, canonical_name, iter_full_state
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 TOKENIZER = SimpleNamespace(pad_token_id=2, eos_token_id=2)  # all HFEngine reads from a tokenizer

@@ -23,7 +23,8 @@ from typing import Any
 
 from polyrl.config import weight_sync_of
 from polyrl.parallel.group import broadcast_object, current
-from polyrl.parallel.weight_sync import SyncGroup, WeightSender
+from polyrl.parallel.sync_group import SyncGroup
+from polyrl.parallel.weight_sync import WeightSender
 from polyrl.runtime.common import check_staleness, producer_state, snapshot, staleness_metrics
 from polyrl.runtime.workers import WorkerPool
 from polyrl.train.step import learn_batch, produce_batch, step_metrics
