@@ -202,7 +202,7 @@ def _load_builtins() -> None:
 def env_names() -> list[str]:
     """The envs a config can name (agent tasks and module:attr factories are named their own way)."""
     _load_builtins()
-    return sorted(n for n in ENVS if n != "agent" and not is_reference(n))
+    return sorted(n for n in ENVS if n != "agent")
 
 
 def env_name(config: TaskConfig) -> str:
@@ -216,19 +216,25 @@ def env_name(config: TaskConfig) -> str:
     return config.name if config.name in ENVS else "reasoning_gym"
 
 
+_REFERENCED: dict[str, EnvSpec] = {}
+"""Task factories named by ``module:attr``, loaded once; kept apart from ENVS, the registered names that
+``polyrl tasks`` lists."""
+
+
 def env_spec(name: str, key: str) -> EnvSpec:
-    """The registered env ``name``, or the task factory a ``module:attr`` reference names (registered under
-    that reference on first use)."""
+    """The registered env ``name``, or the task factory a ``module:attr`` reference names (loaded on first
+    use)."""
     _load_builtins()
     if name in ENVS:
         return ENVS[name]
     if not is_reference(name):
         raise ValueError(f"{key}: unknown env '{name}'; valid: {', '.join(env_names())}, or module:attr")
-    factory = load_object(name, key)
-    if not callable(factory):
-        raise ValueError(f"{key}: '{name}' is not callable; it must be a task factory (config, ctx) -> Task")
-    ENVS[name] = EnvSpec(factory, doc=(getattr(factory, "__doc__", None) or "").strip().split("\n")[0])
-    return ENVS[name]
+    if name not in _REFERENCED:
+        factory = load_object(name, key)
+        if not callable(factory):
+            raise ValueError(f"{key}: '{name}' is not callable; it must be a task factory (config, ctx) -> Task")
+        _REFERENCED[name] = EnvSpec(factory, doc=(getattr(factory, "__doc__", None) or "").strip().split("\n")[0])
+    return _REFERENCED[name]
 
 
 def task_params(spec: EnvSpec, config: TaskConfig, key: str) -> Any:
