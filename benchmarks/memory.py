@@ -1,14 +1,14 @@
-"""Peak memory of the quickstart run with LoRA, and what holds it.
+"""Peak memory of a quickstart run (full fine-tuning or LoRA), and what holds it.
 
-Part 1 runs ``polyrl train configs/quickstart.yaml`` with LoRA (r 16, alpha 32) as a child process, shortened
-to a few steps and one evaluation batch after training (the peak is reached within the first step and the
-first evaluation batch, whose size is the same as in the full run), and samples its resident set size (RSS)
-every 0.1 s; the peak is also read from the kernel's own high-water mark (ru_maxrss). Part 2 builds the same
+Part 1 runs ``polyrl train CONFIG`` (configs/quickstart.yaml, or configs/quickstart_lora.yaml) as a child
+process, shortened to a few steps and one evaluation batch after training, and samples its resident set size
+(RSS) every 0.1 s; the peak is also read from the kernel's own high-water mark (ru_maxrss). A whole run peaks
+higher than a short one (longer replies later, a fuller heap): ``--steps 20`` comes closer. Part 2 builds the same
 run in this process, does one step and adds up the bytes of each tensor holder: policy weights, the engine's
 bf16 sampling copy, gradients and optimizer states. Results: benchmarks/results/memory.json.
 
-    python benchmarks/memory.py                   # ~3 min on 2 idle cores
-    python benchmarks/memory.py --steps 2 --no-breakdown
+    python benchmarks/memory.py --config configs/quickstart_lora.yaml     # ~3 min on 2 idle cores
+    python benchmarks/memory.py --steps 2 --no-breakdown --out /tmp/memory_full.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-LORA = "model.lora={r: 16, alpha: 32}"
+CONFIG = [ROOT / "configs" / "quickstart.yaml"]  # --config
 
 
 EXTRA: list[str] = []  # --set: further overrides, e.g. a smaller optim.micro_batch_size
@@ -33,13 +33,13 @@ EXTRA: list[str] = []  # --set: further overrides, e.g. a smaller optim.micro_ba
 
 def overrides(steps: int, eval_size: int) -> list[str]:
     # Only the evaluation after training: it holds everything the one before does, plus the optimizer state.
-    return [LORA, f"train.steps={steps}", f"tasks.0.eval_size={eval_size}", "eval.before=false",
+    return [f"train.steps={steps}", f"tasks.0.eval_size={eval_size}", "eval.before=false",
             "logging.progress=false", "logging.report=false", "logging.tensorboard=false", *EXTRA]
 
 
 def peak_rss_of_run(steps: int, eval_size: int) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "polyrl", "train", str(ROOT / "configs" / "quickstart.yaml"),
+        cmd = [sys.executable, "-m", "polyrl", "train", str(CONFIG[0]),
                *overrides(steps, eval_size), "--output", out]
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -67,13 +67,13 @@ def tensor_bytes(tensors) -> int:
 
 
 def breakdown(steps: int, eval_size: int) -> dict:
-    """Bytes held by each part of a quickstart+LoRA run after one step, and the RSS around it."""
+    """Bytes held by each part of the run after one step, and the RSS around it."""
     import torch
 
     from polyrl.config import load_config
     from polyrl.train.step import build_run, rl_step
 
-    config = load_config(ROOT / "configs" / "quickstart.yaml", overrides(steps, eval_size))
+    config = load_config(CONFIG[0], overrides(steps, eval_size))
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
     with tempfile.TemporaryDirectory() as out:
@@ -102,6 +102,7 @@ def breakdown(steps: int, eval_size: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=CONFIG[0])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--eval-size", type=int, default=64, help="one evaluation batch (eval.batch_size is 64)")
     ap.add_argument("--no-breakdown", action="store_true")
@@ -109,7 +110,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory.json")
     args = ap.parse_args()
     EXTRA.extend(args.set)
-    result = {"run": peak_rss_of_run(args.steps, args.eval_size)}
+    CONFIG[0] = args.config.resolve()
+    result = {"config": str(CONFIG[0].relative_to(ROOT)), "run": peak_rss_of_run(args.steps, args.eval_size)}
     print(f"peak RSS {result['run']['peak_rss_gb']:.2f} GB ({result['run']['seconds']:.0f} s)", flush=True)
     if not args.no_breakdown:
         result["breakdown"] = breakdown(args.steps, args.eval_size)
