@@ -209,3 +209,21 @@ def test_the_documented_self_play_config_trains_a_step(tmp_path, monkeypatch):
     assert set(summary["eval_after"]) == {"tictactoe_self"} and moves
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and math.isfinite(rows[0]["loss"]) and -1.0 <= rows[0]["reward/mean"] <= 1.0
+
+
+def test_a_pipelines_evaluation_plays_the_other_seat_with_the_model_evaluated(monkeypatch):
+    from polyrl.train.pipeline import evaluate_domains
+
+    engines = []
+    real = EnginePolicy.__call__
+
+    def recording(self, messages, seed):
+        engines.append(self.engine)
+        return real(self, messages, seed)
+
+    monkeypatch.setattr(EnginePolicy, "__call__", recording)
+    cfg = load_config(None, data={**TINY, "rollout": {"max_new_tokens": 4}, "tasks": [
+        {"name": "ttt", "env": "textarena", "eval_size": 2, "params": TIC_TAC_TOE}]})
+    result = evaluate_domains(cfg, "tiny-random")
+    assert set(result) == {"ttt"} and 0.0 <= result["ttt"] <= 1.0
+    assert engines and all(e.model is engines[0].model for e in engines)
