@@ -5,10 +5,9 @@ The policy plays one seat; in a two-player game the other seat is played by ``op
 uniformly among the ``[move]`` options the game lists in the opponent's newest observation, a ``module:attr``
 callable ``(observation: str) -> str`` is a fixed policy of the user's own, and ``self`` is the policy being
 trained (self-play, ``policy_opponent``): only the trained seat's turns are the trajectory. Each model turn is one
-game action;
-the game's own rules judge it, so a malformed or illegal move is what TextArena makes of it (a warning and a
-retry, then a lost game), never an error. The reward is the game's outcome for the policy's seat, given on the
-turn the game ends.
+game action; the game's own rules judge it, so a malformed or illegal move is what TextArena makes of it (a
+warning and a retry, then a lost game), never an error. The reward is the game's outcome for the policy's seat,
+given on the turn the game ends.
 """
 
 from __future__ import annotations
