@@ -141,7 +141,7 @@ def test_a_user_opponent_from_the_working_directory(tmp_path, monkeypatch):
 @pytest.mark.parametrize(("params", "message"), [
     ({"game": "NoSuchGame-v0"}, "task.params.game: unknown TextArena game 'NoSuchGame-v0'"),
     ({"game": "TicTacToe-v0", "num_players": 2}, "task.params.opponent: a 2-player game needs an opponent"),
-    ({"game": "TicTacToe-v0", "num_players": 2, "opponent": "best"}, "neither random nor module:attr"),
+    ({"game": "TicTacToe-v0", "num_players": 2, "opponent": "best"}, "none of random, self or module:attr"),
     ({"game": "GuessTheNumber-v0", "seat": 1}, "task.params.seat: 1 is not a seat of a 1-player game"),
     ({"game": "GuessTheNumber-v0", "colour": "red"}, "task.params.colour: unknown key"),
 ])

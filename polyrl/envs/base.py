@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # type-only: config validates task names through this package
 
 Message = dict[str, Any]
 """A chat message: ``{"role": ..., "content": ...}`` (tool results may add ``name``)."""
+PolicyChat = Callable[[list[Message], int], str]
+"""The policy being trained as a chat function, ``(messages, seed) -> reply`` (``polyrl.rollout.policy_chat``)."""
 
 # Held-out items use a seed far from the training seed so the two streams do not share generator states.
 EVAL_SEED_OFFSET = 7_919_000_003
@@ -161,6 +163,8 @@ class TaskContext:
     """``tasks[].params``, validated by the env's params model when it registered one (else the raw dict)."""
     tool_parser: ToolParser
     system_prompt: str | None = None
+    policy: PolicyChat | None = None
+    """The policy being trained, for envs where it also plays another part (self-play); set by training runs."""
 
 
 TaskFactory = Callable[["TaskConfig", TaskContext], Task]
@@ -260,14 +264,16 @@ def check_task(config: TaskConfig, key: str = "task") -> None:
         spec.check(config, key)
 
 
-def make_task(config: TaskConfig, seed: int, system_prompt: str | None = None, tokenizer: Any = None) -> Task:
-    """Build the task a config entry describes; ``tokenizer`` lets ``tool_parser: auto`` pick the format."""
+def make_task(config: TaskConfig, seed: int, system_prompt: str | None = None, tokenizer: Any = None,
+              policy: PolicyChat | None = None) -> Task:
+    """Build the task a config entry describes; ``tokenizer`` lets ``tool_parser: auto`` pick the format,
+    ``policy`` is ``TaskContext.policy``."""
     from polyrl.envs.tool_parsers import get_parser
 
     check_task(config, key="task")
     spec = env_spec(env_name(config), "task.env")
     parser = get_parser(config.tool_parser, tokenizer)
-    ctx = TaskContext(seed, task_params(spec, config, "task"), parser, system_prompt)
+    ctx = TaskContext(seed, task_params(spec, config, "task"), parser, system_prompt, policy)
     task = spec.factory(config, ctx)
     if config.tool_latency_s:
         task.make_env()  # fail at start-up, not at the first rollout, when the env has no tools to delay

@@ -1,16 +1,19 @@
 """TextArena games as multi-turn envs: ``env: textarena`` with ``params.game`` naming any offline TextArena game
 (``GuessTheNumber-v0``, ``TicTacToe-v0``, ``Nim-v0``, ...).
 
-The policy plays one seat; in a two-player game the other seat is a fixed policy (``opponent``): ``random``
-picks uniformly among the ``[move]`` options the game lists in the opponent's newest observation, or a
-``module:attr`` callable ``(observation: str) -> str`` of the user's own. Each model turn is one game action;
-the game's own rules judge it, so a malformed or illegal move is what TextArena makes of it (a warning and a
-retry, then a lost game), never an error. The reward is the game's outcome for the policy's seat, given on the
-turn the game ends.
+The policy plays one seat; in a two-player game the other seat is played by ``opponent``: ``random`` picks
+uniformly among the ``[move]`` options the game lists in the opponent's newest observation, a ``module:attr``
+callable ``(observation: str) -> str`` is a fixed policy of the user's own, and ``self`` is the policy being
+trained (self-play, ``policy_opponent``): only the trained seat's turns are the trajectory. Each model turn is one
+game action; the game's own rules judge it, so a malformed or illegal move is what TextArena makes of it (a
+warning and a retry, then a lost game), never an error. The reward is the game's outcome for the policy's seat,
+given on the turn the game ends.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 import re
@@ -20,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from polyrl.envs.base import Env, Message, StepResult, Task, TaskContext, register_env
+from polyrl.envs.base import Env, Message, PolicyChat, StepResult, Task, TaskContext, register_env
 from polyrl.loader import is_reference, load_object
 
 if TYPE_CHECKING:  # type-only: config validates task names through this package
@@ -48,7 +51,9 @@ class TextArenaParams(BaseModel):
     """Override the game's registered constructor arguments (e.g. ``max_number`` for GuessTheNumber)."""
     num_players: int = Field(1, ge=1, le=2)
     opponent: str | None = None
-    """For two players: ``random`` or ``module:attr``, a callable from the opponent's observation to its move."""
+    """For two players: ``random``; ``self``, the policy being trained (self-play: its moves sampled by the run's
+    engine, only the trained seat's turns trained on); or ``module:attr``, a callable from the opponent's
+    observation to its move."""
     seat: int | None = Field(None, ge=0, le=1)
     """The policy's player id; unset alternates with the item (seed % num_players)."""
     max_turns: int = Field(20, ge=1)
@@ -76,6 +81,24 @@ def random_opponent(rng: random.Random) -> Opponent:
             if options:
                 return rng.choice(options)
         return ""
+
+    return move
+
+
+def policy_opponent(policy: PolicyChat, system_prompt: str | None, seed: int) -> Opponent:
+    """The policy being trained in the other seat (``opponent: self``). It keeps its own conversation, the one
+    the policy would have in that seat: the system prompt, the game's observations to that seat (its own moves
+    left out, as they are for the policy) and its replies. Each reply is sampled with a seed drawn from ``seed``
+    and that conversation, so one position gets one reply whatever order the episodes run in: a group's
+    episodes share the opponent's opening moves (and so their prompt), and a rerun at the same seed replays."""
+    messages: list[Message] = [{"role": "system", "content": system_prompt}] if system_prompt else []
+
+    def move(observation: str) -> str:
+        messages.append({"role": "user", "content": observation})
+        key = json.dumps([seed, messages]).encode()
+        reply = policy(list(messages), int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "big"))
+        messages.append({"role": "assistant", "content": reply})
+        return reply
 
     return move
 
@@ -132,8 +155,9 @@ class TextArenaEnv(Env):
     def _opponents_move(self) -> tuple[bool, dict]:
         done, info = False, {}
         while not done and self.game.state.current_player_id != self.seat:
-            _, observation = self.game.get_observation()
-            move = self.opponent(format_observation(observation, None))
+            player, observation = self.game.get_observation()
+            # The policy in the other seat sees that seat's view, as the trained seat sees its own.
+            move = self.opponent(format_observation(observation, player if self.params.opponent == "self" else None))
             with self._game_rng():
                 done, info = self.game.step(move)
         return done, info
@@ -174,10 +198,12 @@ def _check(config: TaskConfig, key: str) -> None:
         raise ValueError(f"{key}.params.game: unknown TextArena game '{p.game}' (e.g. GuessTheNumber-v0, "
                          f"TicTacToe-v0)")
     if p.num_players > 1 and p.opponent is None:
-        raise ValueError(f"{key}.params.opponent: a {p.num_players}-player game needs an opponent (random or "
-                         f"module:attr)")
-    if p.opponent is not None and p.opponent != "random" and not is_reference(p.opponent):
-        raise ValueError(f"{key}.params.opponent: '{p.opponent}' is neither random nor module:attr")
+        raise ValueError(f"{key}.params.opponent: a {p.num_players}-player game needs an opponent (random, self "
+                         f"or module:attr)")
+    if p.opponent == "self" and p.num_players < 2:
+        raise ValueError(f"{key}.params.opponent: self plays the other seat of a 2-player game; set num_players: 2")
+    if p.opponent is not None and p.opponent not in ("random", "self") and not is_reference(p.opponent):
+        raise ValueError(f"{key}.params.opponent: '{p.opponent}' is none of random, self or module:attr")
     if p.seat is not None and p.seat >= p.num_players:
         raise ValueError(f"{key}.params.seat: {p.seat} is not a seat of a {p.num_players}-player game")
 
@@ -190,6 +216,12 @@ def textarena_task(config: TaskConfig, ctx: TaskContext) -> Task:
     if p.num_players > 1:
         if p.opponent == "random":
             opponent = random_opponent
+        elif p.opponent == "self":
+            policy = ctx.policy
+            if policy is None:
+                raise ValueError(f"task '{config.name}': params.opponent self is the policy being trained, which "
+                                 f"only a training run provides here")
+            opponent = lambda rng: policy_opponent(policy, ctx.system_prompt, rng.getrandbits(31))  # noqa: E731
         else:
             user_policy = load_object(p.opponent, f"task '{config.name}' params.opponent")
             if not callable(user_policy):

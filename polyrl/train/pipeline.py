@@ -28,6 +28,7 @@ from polyrl.envs.base import make_task
 from polyrl.models.device import resolve_device
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.rollout.multi_turn import evaluate
+from polyrl.rollout.policy_chat import EnginePolicy
 from polyrl.train.checkpoint import latest_checkpoint
 from polyrl.train.loop import train
 from polyrl.train.retention import distill_until_within, replay_weights, validation_config
@@ -45,9 +46,11 @@ def evaluate_domains(config: Config, model_name: str) -> dict[str, float]:
     else:  # as the RL loop: accuracy of the float32 weights themselves
         engine = HFEngine(model, tokenizer, bf16=False)
     max_new = config.eval.max_new_tokens or config.rollout.max_new_tokens
+    # A self-play task's other seat is this model too, sampled as in training.
+    policy = EnginePolicy(engine, config.rollout.max_new_tokens, config.rollout.temperature, config.rollout.top_p)
     out = {}
     for t in config.tasks:
-        task = make_task(t, config.train.seed, config.model.system_prompt, tokenizer)
+        task = make_task(t, config.train.seed, config.model.system_prompt, tokenizer, policy)
         out[t.name] = evaluate(engine, task, t.eval_size, max_new, config.eval.batch_size)["accuracy"]
     return out
 

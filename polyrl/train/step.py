@@ -30,6 +30,7 @@ from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import SHARD_SEED_STRIDE, all_gather_objects, contiguous_shards, current
 from polyrl.rewards.monitors import RewardMonitor, monitor_kind, monitor_metrics
 from polyrl.rollout.multi_turn import evaluate, rollout_metrics
+from polyrl.rollout.policy_chat import EnginePolicy
 from polyrl.runtime.allocator import keep_freed_memory
 from polyrl.train import faults
 from polyrl.train.agents import AgentFeatures
@@ -82,12 +83,14 @@ def load_policy(config: Config) -> tuple[Any, Any]:
 def build_run(config: Config, run_dir: Path) -> Run:
     """Load the model and tokenizer, build the tasks, the engine, the learner and the sampler of ``config``."""
     tokenizer, model = load_policy(config)
-    tasks = {
-        t.name: make_task(t, config.train.seed, config.model.system_prompt, tokenizer) for t in config.tasks
-    }
     # Each rank samples its share of a step's groups with the whole weights (copied before sharding).
     engine_model = copy.deepcopy(model) if current().distributed else model
     engine = make_engine(config, engine_model, tokenizer)  # engine.kind: hf, or vllm (optional extra)
+    r = config.rollout  # self-play envs (textarena opponent: self) sample the other seat from the engine too
+    policy = EnginePolicy(engine, r.max_new_tokens, r.temperature, r.top_p)
+    tasks = {
+        t.name: make_task(t, config.train.seed, config.model.system_prompt, tokenizer, policy) for t in config.tasks
+    }
     learner = Learner(
         model, config.algorithm, config.optim, config.rollout.temperature, config.model.bf16, engine.pad_id,
         total_steps=config.train.steps, teachers=load_teachers(config, engine_model), sharding=config.learner,
