@@ -39,7 +39,8 @@ def train(
     ] = False,
 ) -> None:
     """Train a policy with RL as the config says; evaluate held-out before and after."""
-    from polyrl.config import ConfigError, load_config
+    from polyrl.config import ConfigError
+    from polyrl.config_check import load_config
 
     try:
         cfg = load_config(config, overrides or [])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from polyrl.config.base import _Strict
+from polyrl.config.sections import TaskConfig
 
 
 class ArpoConfig(_Strict):
@@ -103,6 +105,29 @@ class CurriculumConfig(_Strict):
     """Recent steps of each task's mean reward that the slope is fitted over."""
     floor: float = Field(0.1, ge=0, le=1)
     """Share of the adaptive mixture spread evenly over the tasks, so none starves."""
+
+
+def check_curriculum(cfg: CurriculumConfig, tasks: Sequence[TaskConfig]) -> None:
+    """Config-time checks; a one-line ValueError naming the key."""
+    names = [t.name for t in tasks]
+    last = 0
+    for i, phase in enumerate(cfg.phases):
+        key = f"curriculum.phases.{i}"
+        if phase.until_step <= last:
+            raise ValueError(f"{key}.until_step: {phase.until_step} must be after the previous phase's ({last})")
+        last = phase.until_step
+        for name, w in phase.weights.items():
+            if name not in names:
+                raise ValueError(f"{key}.weights.{name}: no task named '{name}'; tasks: {', '.join(names)}")
+            if w < 0:
+                raise ValueError(f"{key}.weights.{name}: weight {w} is negative")
+        if sum(phase.weights.values()) <= 0:
+            raise ValueError(f"{key}.weights: at least one task needs a positive weight")
+    for name, levels in cfg.levels.items():
+        if name not in names:
+            raise ValueError(f"curriculum.levels.{name}: no task named '{name}'; tasks: {', '.join(names)}")
+        if not levels:
+            raise ValueError(f"curriculum.levels.{name}: list at least one level above the task's own params")
 
 
 class StageConfig(_Strict):
