@@ -226,7 +226,7 @@ class RuntimeConfig(_Strict):
     """ray: CPUs of the local Ray started when ``ray_address`` is unset (default: all)."""
     keep_freed_memory: bool = True
     """Linux/glibc: freed large blocks stay in the process for reuse instead of being unmapped and page-faulted
-    in again next step (``runtime/allocator.py``): a 16-row update with 64-token answers about 25 % faster, peak
+    in again next step (``train/glibc_malloc.py``): a 16-row update with 64-token answers about 25 % faster, peak
     memory up to a few hundred MB higher."""
 
     @model_validator(mode="after")
