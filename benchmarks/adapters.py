@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -39,7 +39,7 @@ ARMS: dict[str, dict[str, list[str]]] = {
 
 
 def _config(path: Path, overrides: list[str], eval_n: int, steps: int, minutes: float):
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
 
     base = [
         "eval.before=false", "eval.after=false", "logging.progress=false", "logging.tensorboard=false",

@@ -54,7 +54,7 @@ ALGORITHMS: dict[str, list[str]] = {
 def _config(path: Path, name: str, eval_n: int | None, steps: int | None = None, extra: list[str] | None = None):
     """The config of one run. With ``steps`` the run is that long, so a decaying learning-rate schedule
     reaches 0 at its end as in a real run; without, ``train.steps`` is huge and the schedule stays flat."""
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
 
     base = load_config(path)
     buffer = max(1, base.rollout.max_new_tokens // 4)

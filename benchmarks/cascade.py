@@ -48,7 +48,7 @@ def machine() -> str:
 
 
 def load(path: Path, seed: int, scale: float, eval_n: int | None, plain: bool):
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
 
     data = load_config(path).model_dump(mode="json")
     data["train"]["seed"] = seed

@@ -42,7 +42,7 @@ def run_variant(config: Path, overrides: list[str], steps: int, seed: int, eval_
                 start: float | None = None) -> dict:
     """Train one variant for ``steps``; ``start``: the accuracy of the starting weights when already known
     (every variant starts from the same ones)."""
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
     from polyrl.train.step import build_run, evaluate_all, rl_step
 
     base = load_config(config)
@@ -86,7 +86,8 @@ def probe(config: Path, seed: int, batches: int, on_result: Callable[[dict], Non
     import torch
 
     from polyrl.algorithms import kl_estimate
-    from polyrl.config import AlgorithmConfig, load_config
+    from polyrl.config import AlgorithmConfig
+    from polyrl.config_check import load_config
     from polyrl.train.batch import collate
     from polyrl.train.learner import Learner
     from polyrl.train.logprobs import token_logprobs

@@ -54,7 +54,7 @@ async def solve(client: openai.AsyncOpenAI, item: dict) -> float:
 
 
 def _config(agent: bool, args: argparse.Namespace, steps: int):
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
 
     overrides = [
         f"train.steps={steps}", "train.max_minutes=null", f"tasks.0.eval_size={args.eval}", "tasks.0.max_tokens=null",

@@ -271,7 +271,7 @@ def worker(spec_path: Path) -> int:
     try:
         import torch
 
-        from polyrl.config import load_config
+        from polyrl.config_check import load_config
 
         if spec["make_model"]:
             from polyrl.models.synthetic import write_random_model

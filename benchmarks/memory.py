@@ -70,7 +70,7 @@ def breakdown(steps: int, eval_size: int) -> dict:
     """Bytes held by each part of the run after one step, and the RSS around it."""
     import torch
 
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
     from polyrl.train.step import build_run, rl_step
 
     config = load_config(CONFIG[0], overrides(steps, eval_size))

@@ -42,7 +42,7 @@ TASKS = {
 
 
 def make_config(model: str, tasks: list[str], steps: int, task_norm: bool, eval_n: int, args):
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
 
     data = {
         "name": "multitask",

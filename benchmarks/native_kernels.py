@@ -133,7 +133,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "native_kernels.json")
     args = ap.parse_args()
     from polyrl.engines import native
-    from polyrl.runtime.allocator import keep_freed_memory
+    from polyrl.train.glibc_malloc import keep_freed_memory
 
     keep_freed_memory()  # as every run does (runtime.keep_freed_memory): no page faults on reused buffers
     if not native.available():

@@ -28,7 +28,7 @@ def category(item: dict) -> str:
 
 def heldout_breakdown(model, tokenizer, n: int = 200) -> dict:
     """Greedy float32 accuracy on the quickstart's seed-0 held-out items, overall and per category."""
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
     from polyrl.engines.hf import HFEngine
     from polyrl.envs.base import make_task
     from polyrl.rollout.multi_turn import rollout
@@ -59,7 +59,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="dotted config overrides, as for polyrl train")
     args = p.parse_args()
 
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
     from polyrl.train.step import build_run, rl_step
 
     fixed = ["eval.before=false", "eval.after=false", "logging.progress=false", f"train.seed={args.seed}"]

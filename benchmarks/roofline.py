@@ -157,7 +157,7 @@ def build(model_name: str, micro_batch: int, total_steps: int = 1000):
     from polyrl.config import AlgorithmConfig, OptimConfig
     from polyrl.engines.hf import HFEngine
     from polyrl.models.loading import load_model, load_tokenizer
-    from polyrl.runtime.allocator import keep_freed_memory
+    from polyrl.train.glibc_malloc import keep_freed_memory
     from polyrl.train.learner import Learner
 
     keep_freed_memory()  # as every training run does (runtime.keep_freed_memory)

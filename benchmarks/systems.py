@@ -75,7 +75,7 @@ def config_data(model: str, steps: int, latency: bool = True) -> dict:
 def warm_start(model: str, sft_steps: int, out: Path) -> str:
     """SFT on the tasks' demonstrations (tool calls for the tool tasks, the gold answer for chain_sum); returns
     the checkpoint every runtime starts from."""
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
     from polyrl.train.checkpoint import latest_checkpoint
     from polyrl.train.sft import train_sft
 
@@ -91,7 +91,7 @@ def warm_start(model: str, sft_steps: int, out: Path) -> str:
 def measure(name: str, overrides: list[str], model: str, steps: int, out: Path) -> dict:
     import torch
 
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
     from polyrl.train.loop import train
 
     run_dir = out / name

@@ -29,7 +29,7 @@ BAR = 0.745  # TRL's 15-minute result on this setup, the accuracy polyrl must re
 
 
 def _task(eval_n: int = 200):
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
     from polyrl.envs.reasoning_gym import ReasoningGymTask
 
     cfg = load_config(QUICKSTART)
@@ -75,7 +75,7 @@ class Snapshots:
 def worker_polyrl(args) -> dict:
     import torch
 
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
     from polyrl.train.step import build_run, rl_step
 
     torch.manual_seed(0)

@@ -1,4 +1,8 @@
-"""Command line: ``polyrl train | eval | serve | report | view | tasks``."""
+"""Command line: ``polyrl train | eval | serve | report | view | tasks``.
+
+Each command imports what it runs inside its function: torch, transformers and pydantic take from a fraction of
+a second to seconds to import, and ``polyrl --help`` needs none of them. Only ``__main__.py`` imports this
+module, so no cycle can pass through these imports (tests/test_import_graph.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +43,8 @@ def train(
     ] = False,
 ) -> None:
     """Train a policy with RL as the config says; evaluate held-out before and after."""
-    from polyrl.config import ConfigError, load_config
+    from polyrl.config import ConfigError
+    from polyrl.config_check import load_config
 
     try:
         cfg = load_config(config, overrides or [])

@@ -109,6 +109,13 @@ def test_every_estimator_keeps_shape_and_dtype():
         assert torch.isfinite(out).all(), name
 
 
+def test_gae_entry_hands_the_outcome_reward_to_the_learner():
+    # advantage: gae has no sample-level estimate; the learner's critic makes the per-token advantages
+    r = torch.tensor([1.0, 0.0, 0.5])
+    out = ADVANTAGES["gae"](r, torch.tensor([0, 0, 1]))
+    assert out.tolist() == [1.0, 0.0, 0.5] and out.data_ptr() != r.data_ptr()
+
+
 def test_gae_lambda_one_is_return_minus_value():
     # rewards [0, 0, 1], V = 0.5 everywhere, gamma = lam = 1: deltas [0, 0, 0.5] -> A = [0.5, 0.5, 0.5]
     r = torch.tensor([[0.0, 0.0, 1.0]])
@@ -244,7 +251,8 @@ def test_reward_gate_through_shape_rewards():
 
 
 def test_gating_on_a_reward_no_task_records_is_a_config_error():
-    from polyrl.config import ConfigError, load_config
+    from polyrl.config import ConfigError
+    from polyrl.config_check import load_config
 
     with pytest.raises(ConfigError) as err:
         load_config("configs/quickstart.yaml", ["algorithm.reward_gate={outcome: correct}"])
@@ -257,8 +265,8 @@ def test_gating_on_a_reward_no_task_records_is_a_config_error():
 
 def test_rubric_rule_criteria_names_and_per_criterion_means():
     from polyrl.algorithms.shaping import criterion_means
-    from polyrl.config import RewardComponentConfig
-    from polyrl.rewards.mix import component_names, rule_scores
+    from polyrl.config import RewardComponentConfig, component_names
+    from polyrl.rewards.mix import rule_scores
 
     assert rule_scores(r"^\s*-?\d+\s*$", ["42", " 7 \n", "the answer is 42", "-3"]) == [1.0, 1.0, 0.0, 1.0]
     comps = [RewardComponentConfig(kind="env"), RewardComponentConfig(kind="rule", name="just_a_number",
@@ -274,7 +282,8 @@ def test_rubric_rule_criteria_names_and_per_criterion_means():
 
 
 def test_rubric_config_errors_name_the_key():
-    from polyrl.config import ConfigError, load_config
+    from polyrl.config import ConfigError
+    from polyrl.config_check import load_config
 
     cases = {
         "tasks.0.reward_components=[{kind: rule}]": "tasks.0.reward_components.0.pattern: a rule component needs",
@@ -293,7 +302,7 @@ def test_rule_criterion_mixes_into_the_training_reward(tmp_path):
     import yaml
     from conftest import SMOKE
 
-    from polyrl.config import load_config
+    from polyrl.config_check import load_config
     from polyrl.train.step import build_run, rl_step
 
     data = yaml.safe_load(SMOKE.read_text())

@@ -17,7 +17,8 @@ import torch
 import yaml
 from conftest import ROOT
 
-from polyrl.config import ConfigError, TaskConfig, load_config
+from polyrl.config import ConfigError, TaskConfig
+from polyrl.config_check import load_config
 from polyrl.endpoint import rollout as agent_rollout
 from polyrl.engines.hf import Completion
 from polyrl.envs import make_task

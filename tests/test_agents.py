@@ -14,7 +14,8 @@ from polyrl.algorithms.step_credit import (
     shared_prefix_advantages,
     turn_discount_advantages,
 )
-from polyrl.config import ArpoConfig, TaskConfig, load_config
+from polyrl.config import ArpoConfig, TaskConfig
+from polyrl.config_check import load_config
 from polyrl.data.replay import PromptReplay, SuccessBuffer
 from polyrl.engines.hf import Completion, HFEngine
 from polyrl.envs import make_task

@@ -20,7 +20,7 @@ from test_agent_tasks import FirstTurnCalls  # noqa: E402
 from test_endpoint import ScriptedEngine, serve  # noqa: E402
 
 from polyrl.adapters.agents_sdk import run_agent  # noqa: E402
-from polyrl.config import load_config  # noqa: E402
+from polyrl.config_check import load_config  # noqa: E402
 from polyrl.envs.tool_parsers import SmolLM2Parser, ToolCall  # noqa: E402
 from polyrl.models.loading import load_tokenizer  # noqa: E402
 

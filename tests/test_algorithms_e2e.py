@@ -6,7 +6,7 @@ import math
 import pytest
 from conftest import SMOKE
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.train.loop import train
 
 FAST = ["eval.before=false", "eval.after=false", "train.steps=1", "train.checkpoint_every=0",

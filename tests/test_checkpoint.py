@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import SMOKE
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.train.checkpoint import (
     MANIFEST,

@@ -4,7 +4,8 @@ import pytest
 import yaml
 from conftest import SMOKE
 
-from polyrl.config import ConfigError, load_config
+from polyrl.config import ConfigError
+from polyrl.config_check import load_config
 
 
 def _error(tmp_path, data=None, overrides=(), source=None):

@@ -153,17 +153,19 @@ def test_sequence_corrections_through_the_entry_point():
 def test_correction_settings_out_of_range_fail_naming_the_key():
     import pytest
 
+    from polyrl.algorithms.validate import check_algorithm
     from polyrl.config import AlgorithmConfig
 
     with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs: .*alpha <= beta"):
-        AlgorithmConfig(off_policy="icepop", off_policy_kwargs={"alpha": 3.0, "beta": 2.0})
+        check_algorithm(AlgorithmConfig(off_policy="icepop", off_policy_kwargs={"alpha": 3.0, "beta": 2.0}))
     with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs: .*eps >= 0"):
-        AlgorithmConfig(off_policy="prob_mask", off_policy_kwargs={"eps": -0.1})
+        check_algorithm(AlgorithmConfig(off_policy="prob_mask", off_policy_kwargs={"eps": -0.1}))
     with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs.tau: not a parameter"):
-        AlgorithmConfig(off_policy="mis", off_policy_kwargs={"tau": 1.0})
+        check_algorithm(AlgorithmConfig(off_policy="mis", off_policy_kwargs={"tau": 1.0}))
     with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs: off_policy 'tis' takes no kwargs"):
-        AlgorithmConfig(off_policy="tis", off_policy_kwargs={"cap": 1.0})
-    from polyrl.config import ConfigError, load_config
+        check_algorithm(AlgorithmConfig(off_policy="tis", off_policy_kwargs={"cap": 1.0}))
+    from polyrl.config import ConfigError
+    from polyrl.config_check import load_config
 
     for override, named in (("algorithm.off_policy=icepopp", "algorithm.off_policy"),
                             ("algorithm.off_policy_kwargs={alpha: 3, beta: 2}", "algorithm.off_policy_kwargs")):

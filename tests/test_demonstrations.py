@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from polyrl.config import TaskConfig, load_config
+from polyrl.config import TaskConfig
+from polyrl.config_check import load_config
 from polyrl.envs.base import make_task
 from polyrl.models.loading import load_tokenizer
 from polyrl.rollout.multi_turn import start_episode

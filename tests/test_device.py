@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, SMOKE
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.engines.hf import HFEngine
 from polyrl.models import device as dev
 from polyrl.models.forward import autocast_context

@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from polyrl.config import ConfigError, RewardComponentConfig, TaskConfig, load_config
+from polyrl.config import ConfigError, RewardComponentConfig, TaskConfig, component_names
+from polyrl.config_check import load_config
 from polyrl.envs.base import make_task
 from polyrl.envs.humaneval import split_problems
 from polyrl.envs.instruct import CONSTRAINTS, InstructParams, check_reply, make_item
 from polyrl.rewards.math import math_verify_score
-from polyrl.rewards.mix import component_names, weighted_reward
+from polyrl.rewards.mix import weighted_reward
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 

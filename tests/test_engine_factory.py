@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.engines import EngineUnavailableError, make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.engines.recompute import RecomputeLogprobs, policy_logprobs

@@ -6,7 +6,8 @@ from collections import deque
 import pytest
 from conftest import ROOT
 
-from polyrl.config import ConfigError, TaskConfig, load_config
+from polyrl.config import ConfigError, TaskConfig
+from polyrl.config_check import load_config
 from polyrl.envs import ENVS, SingleTurnEnv, Task, make_task
 from polyrl.envs.base import env_name
 from polyrl.envs.gym_text import frozen_lake_map

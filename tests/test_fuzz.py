@@ -19,7 +19,8 @@ from conftest import SMOKE
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from polyrl.config import ConfigError, TaskConfig, dump_config, load_config
+from polyrl.config import ConfigError, TaskConfig, dump_config
+from polyrl.config_check import load_config
 from polyrl.envs.base import make_task
 from polyrl.rewards.code import score_humaneval
 

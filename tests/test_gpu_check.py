@@ -9,7 +9,7 @@ import sys
 
 from conftest import ROOT
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402

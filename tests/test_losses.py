@@ -9,7 +9,8 @@ from conftest import SMOKE
 
 from polyrl.algorithms import LOSSES, aggregate
 from polyrl.algorithms.losses import ppo_clip_loss
-from polyrl.config import ConfigError, load_config
+from polyrl.config import ConfigError
+from polyrl.config_check import load_config
 from polyrl.train.batch import collate
 from polyrl.train.learner_terms import loss_advantages
 

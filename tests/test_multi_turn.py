@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from polyrl.config import TaskConfig, load_config
+from polyrl.config import TaskConfig
+from polyrl.config_check import load_config
 from polyrl.engines.hf import Completion, HFEngine
 from polyrl.envs import ENVS, make_task
 from polyrl.envs.tool_parsers import HermesParser, SmolLM2Parser, ToolCall

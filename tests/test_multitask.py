@@ -11,7 +11,8 @@ import yaml
 
 from polyrl.algorithms.shaping import assign_advantages
 from polyrl.algorithms.task_norm import task_normalise
-from polyrl.config import AlgorithmConfig, ConfigError, CurriculumConfig, TaskConfig, load_config
+from polyrl.config import AlgorithmConfig, ConfigError, CurriculumConfig, TaskConfig
+from polyrl.config_check import load_config
 from polyrl.data.curriculum import (
     Curriculum,
     learning_progress,

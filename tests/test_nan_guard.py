@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from polyrl.algorithms import LOSSES
 from polyrl.cli import app
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.models.loading import load_model
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
 from polyrl.train.learner import Learner

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.train import pipeline
 from polyrl.train.faults import KILL_AT
 

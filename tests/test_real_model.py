@@ -10,7 +10,7 @@ import math
 import pytest
 from conftest import ROOT
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.train.loop import train
 
 pytestmark = pytest.mark.slow

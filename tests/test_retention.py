@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.train import pipeline, retention
 from tests.test_pipeline import write_config
 

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.train.loop import train
 from polyrl.train.step import build_run
 from tests.conftest import SMOKE

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.train.faults import KILL_AT
 from polyrl.train.loop import train
 from tests.conftest import SMOKE

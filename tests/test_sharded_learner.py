@@ -11,7 +11,8 @@ import time
 import pytest
 import torch
 
-from polyrl.config import AlgorithmConfig, ConfigError, LearnerConfig, LoraConfig, OptimConfig, load_config
+from polyrl.config import AlgorithmConfig, ConfigError, LearnerConfig, LoraConfig, OptimConfig
+from polyrl.config_check import load_config
 from polyrl.models.loading import load_model
 from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import (

@@ -8,7 +8,8 @@ import types
 import pytest
 from conftest import SMOKE
 
-from polyrl.config import ConfigError, load_config
+from polyrl.config import ConfigError
+from polyrl.config_check import load_config
 from polyrl.observe.metrics import (
     JsonlSink,
     MetricsLogger,

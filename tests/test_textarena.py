@@ -14,7 +14,8 @@ from conftest import ROOT
 
 pytest.importorskip("textarena")
 
-from polyrl.config import ConfigError, TaskConfig, load_config  # noqa: E402
+from polyrl.config import ConfigError, TaskConfig  # noqa: E402
+from polyrl.config_check import load_config  # noqa: E402
 from polyrl.envs import make_task  # noqa: E402
 from polyrl.envs.textarena_env import format_observation, random_opponent  # noqa: E402
 

@@ -6,10 +6,12 @@ import time
 import pytest
 from test_multi_turn import TOOL_MATH, ScriptedEngine, calculator_script
 
-from polyrl.config import TaskConfig, load_config
+from polyrl.config import TaskConfig
+from polyrl.config_check import load_config
 from polyrl.envs import make_task
+from polyrl.envs.tool_env import ToolEnv
 from polyrl.envs.tool_parsers import ToolCall
-from polyrl.envs.tools import ToolEnv, ToolError
+from polyrl.envs.tools import ToolError
 from polyrl.models.loading import load_tokenizer
 from polyrl.rollout import multi_turn
 from polyrl.rollout.multi_turn import play, to_trajectory

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from polyrl.envs.base import Message
+from polyrl.envs.tool_env import ToolEnv
 from polyrl.envs.tool_math import calculate, safe_eval
 from polyrl.envs.tool_parsers import (
     HermesParser,
@@ -14,7 +15,7 @@ from polyrl.envs.tool_parsers import (
     detect_parser,
     get_parser,
 )
-from polyrl.envs.tools import MAX_RESULT_CHARS, Tool, ToolEnv, ToolError
+from polyrl.envs.tools import MAX_RESULT_CHARS, Tool, ToolError
 
 
 def lookup(city: str, year: int = 2020, metric: bool = True) -> str:

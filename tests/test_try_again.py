@@ -3,7 +3,8 @@
 import pytest
 from conftest import SMOKE
 
-from polyrl.config import ConfigError, load_config
+from polyrl.config import ConfigError
+from polyrl.config_check import load_config
 from polyrl.envs.base import SingleTurnEnv, TryAgainEnv
 
 

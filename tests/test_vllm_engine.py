@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from polyrl.config import LoraConfig, VllmConfig, load_config  # noqa: E402
+from polyrl.config import LoraConfig, VllmConfig  # noqa: E402
+from polyrl.config_check import load_config  # noqa: E402
 from polyrl.engines import make_engine  # noqa: E402
 from polyrl.engines.recompute import RecomputeLogprobs, policy_logprobs  # noqa: E402
 from polyrl.engines.vllm import VLLMEngine  # noqa: E402

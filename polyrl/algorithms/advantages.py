@@ -2,7 +2,8 @@
 
 Every estimator shares one signature, ``(rewards [N], group_ids [N], **kwargs) -> advantages [N]``: equal ids
 are samples of the same prompt, and each sample's scalar advantage is broadcast over its tokens by the loss.
-Per-token advantages (PPO with a critic) live in ``polyrl.algorithms.gae``.
+The ``gae`` entry is the exception: it hands rewards through, and the learner computes GAE's per-token
+advantages with its critic (``polyrl.algorithms.gae``).
 """
 
 from __future__ import annotations
@@ -101,10 +102,11 @@ def reinforce_pp_baseline_advantages(
 
 
 @ADVANTAGES.register("gae")
-def gae_terminal_rewards(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """PPO with a critic (Schulman et al. 2016 GAE, Eq. 16): the per-token advantages need the value head, so
-    the learner computes them (``polyrl.algorithms.gae``). At the sample level this passes the outcome reward
-    through unchanged; the learner places it on each sequence's last token as the return to propagate.
+def outcome_rewards_for_critic(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """What ``algorithm.advantage: gae`` does at the sample level: each sample's outcome reward, unchanged. It
+    is not an estimator: GAE (Schulman et al. 2016, Eq. 16) needs the critic's per-token values, so the learner
+    computes the advantages (``polyrl.algorithms.gae``), from this reward placed on each sequence's last token
+    as the return to propagate.
     """
     del group_ids
     return rewards.clone()

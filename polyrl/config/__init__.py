@@ -1,6 +1,8 @@
 """Typed experiment config: one YAML per experiment, validated up front, dotted overrides.
 
-Every error is one line that names the offending key, so a typo never starts a 15-minute run.
+Every error is one line that names the offending key, so a typo never starts a 15-minute run. This package is
+pure data: the names a config gives to registered envs, advantage estimators, losses and corrections are
+checked against their registries by ``polyrl.config_check.load_config``, which parses with ``parse_config``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from polyrl.config.features import (
     RuntimeConfig,
     StageConfig,
     StepCreditConfig,
+    check_curriculum,
 )
 from polyrl.config.sections import (
     AlgorithmConfig,
@@ -41,8 +44,8 @@ from polyrl.config.sections import (
     TaskConfig,
     TrainConfig,
     VllmConfig,
+    component_names,
 )
-from polyrl.rewards.mix import component_names
 
 __all__ = [
     "AgentsConfig",
@@ -73,8 +76,9 @@ __all__ = [
     "TrainConfig",
     "VllmConfig",
     "apply_override",
+    "component_names",
     "dump_config",
-    "load_config",
+    "parse_config",
 ]
 
 
@@ -125,12 +129,8 @@ class Config(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _check_names(self) -> Config:
-        # Imported here: registries import torch-heavy modules that config users may not need.
-        from polyrl.envs.base import check_task
-
+    def _check_sections(self) -> Config:
         for i, task in enumerate(self.tasks):
-            check_task(task, key=f"tasks.{i}")
             if task.name in [t.name for t in self.tasks[:i]]:
                 raise ValueError(f"tasks.{i}.name: task '{task.name}' is listed twice; names must differ")
         agents = [i for i, t in enumerate(self.tasks) if t.agent is not None]
@@ -138,8 +138,6 @@ class Config(_Strict):
             raise ValueError(f"tasks.{agents[0]}.agent: agent tasks run on one process's endpoint; they need "
                              "runtime.kind: local and learner.world_size: 1")
         if self.curriculum is not None:
-            from polyrl.data.curriculum import check_curriculum
-
             check_curriculum(self.curriculum, self.tasks)
             if self.runtime.kind != "local":  # its state lives where rollouts are drawn, not in checkpoints yet
                 raise ValueError(f"curriculum: needs runtime.kind: local (got {self.runtime.kind})")
@@ -280,8 +278,9 @@ def _format_error(source: str, err: ValidationError) -> str:
     return f"{source}: {key}: {msg}"
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None, data: dict | None = None) -> Config:
-    """Load a YAML file (or a dict), apply dotted overrides, validate; raise ConfigError on any problem."""
+def parse_config(path: str | Path | None, overrides: list[str] | None = None, data: dict | None = None) -> Config:
+    """Load a YAML file (or a dict), apply dotted overrides, validate the structure and values; raise ConfigError
+    on any problem. Registered names are not looked up here: ``polyrl.config_check.load_config`` does both."""
     source = str(path) if path is not None else "config"
     if data is None:
         p = Path(path)  # type: ignore[arg-type]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from polyrl.config.base import _Strict
+from polyrl.config.sections import TaskConfig
 
 
 class ArpoConfig(_Strict):
@@ -105,6 +107,29 @@ class CurriculumConfig(_Strict):
     """Share of the adaptive mixture spread evenly over the tasks, so none starves."""
 
 
+def check_curriculum(cfg: CurriculumConfig, tasks: Sequence[TaskConfig]) -> None:
+    """Config-time checks; a one-line ValueError naming the key."""
+    names = [t.name for t in tasks]
+    last = 0
+    for i, phase in enumerate(cfg.phases):
+        key = f"curriculum.phases.{i}"
+        if phase.until_step <= last:
+            raise ValueError(f"{key}.until_step: {phase.until_step} must be after the previous phase's ({last})")
+        last = phase.until_step
+        for name, w in phase.weights.items():
+            if name not in names:
+                raise ValueError(f"{key}.weights.{name}: no task named '{name}'; tasks: {', '.join(names)}")
+            if w < 0:
+                raise ValueError(f"{key}.weights.{name}: weight {w} is negative")
+        if sum(phase.weights.values()) <= 0:
+            raise ValueError(f"{key}.weights: at least one task needs a positive weight")
+    for name, levels in cfg.levels.items():
+        if name not in names:
+            raise ValueError(f"curriculum.levels.{name}: no task named '{name}'; tasks: {', '.join(names)}")
+        if not levels:
+            raise ValueError(f"curriculum.levels.{name}: list at least one level above the task's own params")
+
+
 class StageConfig(_Strict):
     """One stage of a pipeline (docs/multidomain.md): unset fields inherit the top-level config."""
 
@@ -201,7 +226,7 @@ class RuntimeConfig(_Strict):
     """ray: CPUs of the local Ray started when ``ray_address`` is unset (default: all)."""
     keep_freed_memory: bool = True
     """Linux/glibc: freed large blocks stay in the process for reuse instead of being unmapped and page-faulted
-    in again next step (``runtime/allocator.py``): a 16-row update with 64-token answers about 25 % faster, peak
+    in again next step (``train/glibc_malloc.py``): a 16-row update with 64-token answers about 25 % faster, peak
     memory up to a few hundred MB higher."""
 
     @model_validator(mode="after")

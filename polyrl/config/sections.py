@@ -3,6 +3,7 @@ logging."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -95,6 +96,14 @@ class RewardComponentConfig(_Strict):
     """rule: a Python regular expression searched for in the response text (e.g. ``^\\s*\\d+\\s*$``)."""
     model: str | None = None
     """judge: an alias or Hugging Face directory of the judge model; unset uses ``model.name`` (a frozen copy)."""
+
+
+def component_names(components: Sequence[RewardComponentConfig]) -> list[str]:
+    """Each component's ``name``, else its kind (``env``, ``judge``, ``rule``), numbered (``judge_1``) only
+    when an unnamed kind appears more than once."""
+    kinds = [c.kind for c in components if c.name is None]
+    return [c.name if c.name is not None else c.kind if kinds.count(c.kind) == 1 else f"{c.kind}_{i}"
+            for i, c in enumerate(components)]
 
 
 class TaskConfig(_Strict):
@@ -283,14 +292,6 @@ class AlgorithmConfig(_Strict):
         if self.task_norm and self.advantage == "gae":
             raise ValueError("algorithm.task_norm: needs a sample-level estimator; gae's advantages come from "
                              "the critic per token")
-        return self
-
-    @model_validator(mode="after")
-    def _check_algorithm(self) -> AlgorithmConfig:
-        # Imported here: registries import torch-heavy modules that config users may not need.
-        from polyrl.algorithms.validate import check_algorithm
-
-        check_algorithm(self)
         return self
 
 

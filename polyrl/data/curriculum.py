@@ -10,12 +10,11 @@ choices an uninterrupted one would.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # type-only: config imports this module to validate the curriculum section
-    from polyrl.config import CurriculumConfig, PhaseConfig, TaskConfig
-    from polyrl.envs.base import Task
-    from polyrl.types import Trajectory
+from polyrl.config import CurriculumConfig, PhaseConfig, TaskConfig
+from polyrl.envs.base import Task
+from polyrl.types import Trajectory
 
 
 def phase_weights(phases: Sequence[PhaseConfig], step: int, default: dict[str, float]) -> dict[str, float]:
@@ -64,29 +63,6 @@ def level_config(config: TaskConfig, levels: Sequence[dict[str, Any]], level: in
     if level == 0:
         return config
     return config.model_copy(update={"params": {**config.params, **levels[level - 1]}})
-
-
-def check_curriculum(cfg: CurriculumConfig, tasks: Sequence[TaskConfig]) -> None:
-    """Config-time checks; a one-line ValueError naming the key."""
-    names = [t.name for t in tasks]
-    last = 0
-    for i, phase in enumerate(cfg.phases):
-        key = f"curriculum.phases.{i}"
-        if phase.until_step <= last:
-            raise ValueError(f"{key}.until_step: {phase.until_step} must be after the previous phase's ({last})")
-        last = phase.until_step
-        for name, w in phase.weights.items():
-            if name not in names:
-                raise ValueError(f"{key}.weights.{name}: no task named '{name}'; tasks: {', '.join(names)}")
-            if w < 0:
-                raise ValueError(f"{key}.weights.{name}: weight {w} is negative")
-        if sum(phase.weights.values()) <= 0:
-            raise ValueError(f"{key}.weights: at least one task needs a positive weight")
-    for name, levels in cfg.levels.items():
-        if name not in names:
-            raise ValueError(f"curriculum.levels.{name}: no task named '{name}'; tasks: {', '.join(names)}")
-        if not levels:
-            raise ValueError(f"curriculum.levels.{name}: list at least one level above the task's own params")
 
 
 class Curriculum:

@@ -4,14 +4,13 @@ returning per-prompt groups of ``Completion`` (token ids as sampled, behaviour l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from polyrl.config import Config
 from polyrl.engines.hf import HFEngine
-
-if TYPE_CHECKING:  # the engines package stays importable without the config module's imports
-    from polyrl.config import Config
+from polyrl.engines.recompute import RecomputeLogprobs
 
 VLLM_INSTALL_HINT = (
     "engine.kind is 'vllm' but vllm is not installed: in a separate virtual environment run "
@@ -33,7 +32,7 @@ def make_engine(config: Config, policy: PreTrainedModel, tokenizer: PreTrainedTo
             import vllm  # noqa: F401  (checked here so the error names the fix, not a deep import)
         except ImportError:
             raise EngineUnavailableError(VLLM_INSTALL_HINT) from None
-        from polyrl.engines.vllm import VLLMEngine
+        from polyrl.engines.vllm import VLLMEngine  # imports vllm, an optional extra
 
         engine: Any = VLLMEngine(
             policy, tokenizer, config.model.name, cfg.vllm, lora_rank=config.model.lora.r if config.model.lora else 0,
@@ -45,7 +44,5 @@ def make_engine(config: Config, policy: PreTrainedModel, tokenizer: PreTrainedTo
             native_kernels=cfg.native_kernels,
         )
     if cfg.recompute_logprobs:
-        from polyrl.engines.recompute import RecomputeLogprobs
-
         engine = RecomputeLogprobs(engine, policy, bf16=config.model.bf16)
     return engine

@@ -28,8 +28,9 @@ from polyrl.envs.base import (
     make_task,
     register_env,
 )
+from polyrl.envs.tool_env import ToolEnv
 from polyrl.envs.tool_parsers import PARSERS, Parsed, ToolCall, ToolParser, get_parser
-from polyrl.envs.tools import Tool, ToolEnv, ToolError
+from polyrl.envs.tools import Tool, ToolError
 
 __all__ = [
     "ENVS",

@@ -14,13 +14,11 @@ import json
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from polyrl.config import TaskConfig
 from polyrl.envs.base import Env, Task, TaskContext, env_spec, register_env, task_params
 from polyrl.loader import load_object
-
-if TYPE_CHECKING:  # type-only: config validates task names through this package
-    from polyrl.config import TaskConfig
 
 Agent = Callable[[Any, dict[str, Any]], Any]
 """``async def run(client: openai.AsyncOpenAI, item: dict) -> float | tuple[float, dict]``."""

@@ -11,16 +11,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 
+from polyrl.config import TaskConfig
+from polyrl.envs.tool_parsers import ToolParser, check_parser_name, get_parser
+from polyrl.envs.tools import Tool
 from polyrl.loader import is_reference, load_object
-
-if TYPE_CHECKING:  # type-only: config validates task names through this package
-    from polyrl.config import TaskConfig
-    from polyrl.envs.tool_parsers import ToolParser
-    from polyrl.envs.tools import Tool
 
 Message = dict[str, Any]
 """A chat message: ``{"role": ..., "content": ...}`` (tool results may add ``name``)."""
@@ -46,6 +44,9 @@ class Env(ABC):
 
     tools: Sequence[Tool] = ()
     tool_parser: ToolParser | None = None
+    tool_latency_s: float | None = None
+    """Seconds each tool call takes at least (``tasks[].tool_latency_s``); None: the env makes no tool calls
+    to delay (``ToolEnv`` sets 0.0 and honours it)."""
     max_turns: int = 1
     """Default turn limit; ``tasks[].max_turns`` in the config overrides it."""
     concurrent_steps: bool = False
@@ -132,9 +133,7 @@ class Task:
     def make_env(self) -> Env:
         env = self._make_env()
         if self.config.tool_latency_s:
-            from polyrl.envs.tools import ToolEnv  # here: tools imports this module
-
-            if not isinstance(env, ToolEnv):
+            if env.tool_latency_s is None:
                 raise ValueError(f"task '{self.name}': tool_latency_s needs a tool env (a ToolEnv), got "
                                  f"{type(env).__name__}")
             env.tool_latency_s = self.config.tool_latency_s
@@ -180,6 +179,8 @@ class EnvSpec:
 
 
 ENVS: dict[str, EnvSpec] = {}
+"""The registered envs: the built-ins register when ``polyrl/envs/__init__.py`` imports their modules, which
+any import of a ``polyrl.envs`` module runs first."""
 
 
 def register_env(
@@ -199,20 +200,14 @@ def register_env(
     return wrap
 
 
-def _load_builtins() -> None:
-    import polyrl.envs  # noqa: F401 - importing the package registers the built-in envs
-
-
 def env_names() -> list[str]:
     """The envs a config can name (agent tasks and module:attr factories are named their own way)."""
-    _load_builtins()
     return sorted(n for n in ENVS if n != "agent")
 
 
 def env_name(config: TaskConfig) -> str:
     """``agent`` for an agent task, else ``tasks[].env``, or the env registered under the task's name, or
     reasoning-gym."""
-    _load_builtins()
     if config.agent is not None:
         return "agent"
     if config.env is not None:
@@ -228,7 +223,6 @@ _REFERENCED: dict[str, EnvSpec] = {}
 def env_spec(name: str, key: str) -> EnvSpec:
     """The registered env ``name``, or the task factory a ``module:attr`` reference names (loaded on first
     use)."""
-    _load_builtins()
     if name in ENVS:
         return ENVS[name]
     if not is_reference(name):
@@ -255,8 +249,6 @@ def task_params(spec: EnvSpec, config: TaskConfig, key: str) -> Any:
 
 def check_task(config: TaskConfig, key: str = "task") -> None:
     """Config-time validation of one task entry; raises a one-line ValueError naming the key."""
-    from polyrl.envs.tool_parsers import check_parser_name
-
     spec = env_spec(env_name(config), f"{key}.env")
     check_parser_name(config.tool_parser, key=f"{key}.tool_parser")
     task_params(spec, config, key)
@@ -268,8 +260,6 @@ def make_task(config: TaskConfig, seed: int, system_prompt: str | None = None, t
               policy: PolicyChat | None = None) -> Task:
     """Build the task a config entry describes; ``tokenizer`` lets ``tool_parser: auto`` pick the format,
     ``policy`` is ``TaskContext.policy``."""
-    from polyrl.envs.tool_parsers import get_parser
-
     check_task(config, key="task")
     spec = env_spec(env_name(config), "task.env")
     parser = get_parser(config.tool_parser, tokenizer)

@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from polyrl.config import TaskConfig
 from polyrl.envs.base import Env, Message, StepResult, Task, TaskContext, register_env
-
-if TYPE_CHECKING:  # type-only: config validates task names through this package
-    from polyrl.config import TaskConfig
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 _INT = re.compile(r"-?\d+")

@@ -9,14 +9,13 @@ stable if the list ever grows.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from polyrl.config import TaskConfig
 from polyrl.envs.base import Env, Message, SingleTurnEnv, Task, TaskContext, register_env
-
-if TYPE_CHECKING:
-    from polyrl.config import TaskConfig
+from polyrl.rewards.code import humaneval_problems, score_humaneval
 
 PROMPT = "Complete the following Python function. Reply with the whole function in a ```python code block.\n\n"
 
@@ -45,8 +44,6 @@ def split_problems(task_ids: list[str], held_out_fraction: float, split_seed: in
 class HumanEvalTask(Task):
     def __init__(self, config: TaskConfig, params: HumanEvalParams, seed: int, system_prompt: str | None) -> None:
         super().__init__(config, self._env, seed=seed)
-        from polyrl.rewards.code import humaneval_problems
-
         self.problems = humaneval_problems()
         # Problem ids sort numerically so the split and the training order do not depend on dict order.
         ids = sorted(self.problems, key=lambda t: int(t.rsplit("/", 1)[1]))
@@ -72,8 +69,6 @@ class HumanEvalTask(Task):
         return msgs
 
     def score(self, item: dict[str, Any], reply: str) -> float:
-        from polyrl.rewards.code import score_humaneval
-
         return score_humaneval(item, reply, timeout_s=self.params.timeout_s).reward
 
 

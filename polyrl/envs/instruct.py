@@ -12,14 +12,12 @@ import json
 import random
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from polyrl.config import TaskConfig
 from polyrl.envs.base import Message, SingleTurnEnv, Task, TaskContext, register_env
-
-if TYPE_CHECKING:
-    from polyrl.config import TaskConfig
 
 TOPICS = [
     "the ocean", "a rainy day", "coffee", "the moon", "learning to cook", "a library", "winter mornings",

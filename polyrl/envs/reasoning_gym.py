@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import re
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from polyrl.config import TaskConfig
 from polyrl.envs.base import EVAL_SEED_OFFSET, Env, Message, SingleTurnEnv, Task, TaskContext, register_env
-
-if TYPE_CHECKING:  # type-only: config validates task names through this package
-    from polyrl.config import TaskConfig
+from polyrl.rewards.math import math_verify_score
 
 TRAIN_SIZE = 1_000_000
 
@@ -112,8 +111,6 @@ class ReasoningGymTask(Task):
         """reasoning-gym's scorer on the extracted answer (or, with ``answer: math_verify``, math-verify's
         equality check against the item's answer); a reply with no answer scores 0, never raises."""
         if self.config.answer == "math_verify":
-            from polyrl.rewards.math import math_verify_score
-
             return math_verify_score(item["answer"], reply)
         return score_answer(self.train, item, self.extract_answer(reply))
 

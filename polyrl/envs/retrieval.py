@@ -13,16 +13,14 @@ import re
 import threading
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from polyrl.config import TaskConfig
 from polyrl.envs.base import Message, Task, TaskContext, register_env
+from polyrl.envs.tool_env import ToolEnv
 from polyrl.envs.tool_parsers import ToolParser
-from polyrl.envs.tools import ToolEnv
-
-if TYPE_CHECKING:  # type-only: config validates task names through this package
-    from polyrl.config import TaskConfig
 
 _ONSETS = ["b", "br", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "th", "v", "w", "z", "qu"]
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ei", "ou"]

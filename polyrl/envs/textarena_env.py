@@ -19,15 +19,13 @@ import random
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from polyrl.config import TaskConfig
 from polyrl.envs.base import Env, Message, PolicyChat, StepResult, Task, TaskContext, register_env
 from polyrl.loader import is_reference, load_object
-
-if TYPE_CHECKING:  # type-only: config validates task names through this package
-    from polyrl.config import TaskConfig
 
 logger = logging.getLogger(__name__)
 _BRACKETED = re.compile(r"\[[^\[\]\n]{1,40}\]")

@@ -9,17 +9,15 @@ from __future__ import annotations
 import ast
 import math
 import operator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from polyrl.config import TaskConfig
 from polyrl.envs.base import Env, Message, Task, TaskContext, register_env
 from polyrl.envs.reasoning_gym import ReasoningGymTask, check_task_name, extract_answer, score_answer
+from polyrl.envs.tool_env import ToolEnv
 from polyrl.envs.tool_parsers import ToolCall, ToolParser
-from polyrl.envs.tools import ToolEnv
-
-if TYPE_CHECKING:  # type-only: config validates task names through this package
-    from polyrl.config import TaskConfig
 
 MAX_EXPRESSION_CHARS = 200
 MAX_DEPTH = 30

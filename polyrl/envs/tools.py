@@ -1,4 +1,4 @@
-"""Tools are plain typed Python functions; ``ToolEnv`` runs the calls a model makes and answers with results.
+"""Tools are plain typed Python functions; ``ToolEnv`` (envs/tool_env.py) runs the calls a model makes.
 
 A tool's JSON schema comes from its signature and Google-style docstring (transformers' ``get_json_schema``,
 the same builder chat templates expect), so a tool is written once and rendered by each model's own template.
@@ -7,15 +7,11 @@ the same builder chat templates expect), so a tool is written once and rendered 
 from __future__ import annotations
 
 import inspect
-import time
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-from polyrl.envs.base import Env, Message, StepResult
-from polyrl.envs.tool_parsers import SmolLM2Parser, ToolCall, ToolParser
 
 MAX_RESULT_CHARS = 2000
 """Tool results are cut to this length: one runaway result must not eat the token budget."""
@@ -98,78 +94,3 @@ class Tool:
 
 def as_tool(tool: Tool | Callable[..., Any]) -> Tool:
     return tool if isinstance(tool, Tool) else Tool.from_function(tool)
-
-
-def tool_message(name: str, content: str) -> Message:
-    return {"role": "tool", "name": name, "content": content}
-
-
-class ToolEnv(Env):
-    """A multi-turn env where the model calls tools until it replies without a call, which is its final
-    answer and is scored by ``score``. Subclasses implement ``reset`` and ``score``.
-
-    A malformed call, an unknown tool or a failing tool is answered with an ``Error: ...`` observation,
-    ``info["tool_error"]`` and a reward of ``-tool_error_penalty``; the episode goes on.
-
-    ``tool_latency_s`` (``tasks[].tool_latency_s``) makes every call that reaches a tool take at least that
-    long, as a remote tool would; the calls of one reply run one after another.
-    """
-
-    max_turns = 4
-    concurrent_steps = True
-    tool_latency_s: float = 0.0
-
-    def __init__(
-        self,
-        tools: Sequence[Tool | Callable[..., Any]],
-        tool_parser: ToolParser | None = None,
-        tool_error_penalty: float = 0.0,
-        max_calls_per_turn: int = 4,
-    ) -> None:
-        self.tools = [as_tool(t) for t in tools]
-        self.tool_parser = tool_parser or SmolLM2Parser()
-        self.tool_error_penalty = tool_error_penalty
-        self.max_calls_per_turn = max_calls_per_turn
-        self._by_name = {t.name: t for t in self.tools}
-
-    def score(self, answer: str) -> float:
-        """The reward of a final answer (the reply with no tool call)."""
-        raise NotImplementedError
-
-    def call(self, call: ToolCall) -> str:
-        tool = self._by_name.get(call.name)
-        if tool is None:
-            raise ToolError(f"unknown tool '{call.name}'; available: {', '.join(self._by_name)}")
-        start = time.monotonic()
-        try:
-            return tool(call.arguments)
-        finally:
-            # A remote tool answers a failing call as slowly as a good one, so errors wait too.
-            wait = self.tool_latency_s - (time.monotonic() - start)
-            if wait > 0:
-                time.sleep(wait)
-
-    def step(self, assistant_message: str) -> StepResult:
-        parsed = self.tool_parser.parse(assistant_message)
-        if parsed.attempted == 0:
-            score = self.score(assistant_message)
-            return StepResult([], score, True, {"score": score, "tool_calls": 0, "valid_tool_calls": 0})
-        observations = [tool_message("error", f"Error: {e}") for e in parsed.errors]
-        errors = list(parsed.errors)
-        valid = 0
-        for i, call in enumerate(parsed.calls):
-            if i >= self.max_calls_per_turn:
-                errors.append(f"too many tool calls in one turn (at most {self.max_calls_per_turn})")
-                observations.append(tool_message(call.name, f"Error: {errors[-1]}"))
-                break
-            try:
-                observations.append(tool_message(call.name, self.call(call)))
-                valid += 1
-            except ToolError as exc:
-                errors.append(str(exc))
-                observations.append(tool_message(call.name, f"Error: {exc}"))
-        info: dict[str, Any] = {"tool_calls": parsed.attempted, "valid_tool_calls": valid}
-        if errors:
-            info["tool_error"] = errors[0]
-        reward = -self.tool_error_penalty if errors and self.tool_error_penalty else 0.0
-        return StepResult(observations, reward, False, info)

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from polyrl.models.loading import _quiet_transformers, smollm2_tokenizer_dir
+
 SIZES = ("tiny", "1b")
 
 
@@ -115,8 +117,6 @@ def write_random_model(
     ``dtype`` is what is stored: by default float32 for ``tiny`` and bfloat16 for ``1b`` (4 GB in float32).
     The weights are created in that dtype, so only one copy of them is ever in memory."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from polyrl.models.loading import _quiet_transformers, smollm2_tokenizer_dir
 
     _quiet_transformers()
     dtype = dtype or (torch.float32 if size == "tiny" else torch.bfloat16)

@@ -7,7 +7,8 @@ so listing stays fast.
 from __future__ import annotations
 
 import re
-from importlib.util import find_spec
+
+from polyrl.envs.base import ENVS
 
 MAX_CHARS = 100
 _LINK = re.compile(r"\[([^\]]+)\]\([^)]*\)")
@@ -34,12 +35,7 @@ def reasoning_gym_tasks() -> list[tuple[str, str]]:
 
 
 def environments() -> list[tuple[str, str]]:
-    """Registered environments (``polyrl.envs.base.ENVS``); empty where the registry does not exist."""
-    if find_spec("polyrl.envs.base") is None:
-        return []
-    import polyrl.envs  # noqa: F401 - importing the package registers the built-in environments
-    from polyrl.envs.base import ENVS
-
+    """Registered environments (``polyrl.envs.base.ENVS``)."""
     out = []
     for name, spec in sorted(ENVS.items()):
         doc = getattr(spec, "doc", "") or getattr(getattr(spec, "factory", None), "__doc__", None)

@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from polyrl.config import Config
 from polyrl.rollout.render import ChatRenderer
+from polyrl.train.step import build_run
 from polyrl.types import Trajectory
 
 ASSUMED_PROMPT_TOKENS = 64
@@ -94,10 +97,6 @@ def _time_generate(engine: Any, prompts: list[list[int]], n: int, tokens: int, t
 
 def estimate_step(config: Config) -> StepEstimate:
     """Build the run's components (model, engine, learner) and time one rollout and one update."""
-    import torch
-
-    from polyrl.train.step import build_run
-
     with tempfile.TemporaryDirectory() as tmp:
         run = build_run(config, Path(tmp))
     ro = config.rollout

@@ -9,10 +9,9 @@ import math
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from polyrl.config import Config
+from polyrl.config import Config
 
 log = logging.getLogger(__name__)
 

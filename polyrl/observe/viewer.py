@@ -178,6 +178,7 @@ class TokenText:
         return model.get("name") if isinstance(model, dict) else None
 
     def _load(self) -> None:
+        # Here, not at the top: transformers takes seconds to import, and only a run's token view needs it.
         from polyrl.models.loading import load_tokenizer
 
         name = self.model_name()

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.parallel.checkpoint import HF_DIR, META, is_sharded, read_model_tensors
 from polyrl.train.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
 
@@ -120,8 +121,6 @@ def _base_model(base: str | torch.nn.Module | None, why: str) -> torch.nn.Module
         return copy.deepcopy(base)
     if not base:
         raise ValueError(f"{why}: name the base model (export's base_model_name_or_model, polyrl export --base)")
-    from polyrl.models.loading import load_model
-
     return load_model(base, float32_attention=False)
 
 
@@ -159,8 +158,6 @@ def _tokenizer(hf_dir: Path, base: str | torch.nn.Module | None) -> Any:
         return AutoTokenizer.from_pretrained(hf_dir)
     name = base if isinstance(base, str) else getattr(getattr(base, "config", None), "_name_or_path", None)
     if name:
-        from polyrl.models.loading import load_tokenizer
-
         try:
             return load_tokenizer(name)
         except (OSError, ValueError) as exc:

@@ -12,6 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
+from polyrl.models.device import module_device
+from polyrl.models.loading import load_model, load_tokenizer
+
 TEMPLATE = "Question:\n{question}\n\nResponse:\n{response}\n\n{rubric} Answer with yes or no."
 REFERENCE_TEMPLATE = ("Question:\n{question}\n\nReference answer:\n{reference}\n\nResponse:\n{response}\n\n"
                       "{rubric} Answer with yes or no.")
@@ -36,9 +39,6 @@ class Judge:
         self, model_name: str, seed: int = 0, batch_size: int = 16, device: torch.device | str | None = None
     ) -> None:
         """``device``: where the judge runs (the policy's, ``train.device``); None keeps it on the CPU."""
-        from polyrl.models.device import module_device
-        from polyrl.models.loading import load_model, load_tokenizer
-
         self.name = model_name
         self.tokenizer = load_tokenizer(model_name)
         self.model = load_model(model_name, None, seed=seed, device=device).eval().requires_grad_(False)

@@ -5,21 +5,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from polyrl.config import RewardComponentConfig
-    from polyrl.envs.base import Task
-    from polyrl.rewards.judge import Judge
-    from polyrl.types import Trajectory
-
-
-def component_names(components: Sequence[RewardComponentConfig]) -> list[str]:
-    """Each component's ``name``, else its kind (``env``, ``judge``, ``rule``), numbered (``judge_1``) only
-    when an unnamed kind appears more than once."""
-    kinds = [c.kind for c in components if c.name is None]
-    return [c.name if c.name is not None else c.kind if kinds.count(c.kind) == 1 else f"{c.kind}_{i}"
-            for i, c in enumerate(components)]
+from polyrl.config import component_names
+from polyrl.envs.base import Task
+from polyrl.models.device import resolve_device
+from polyrl.rewards.judge import Judge
+from polyrl.types import Trajectory
 
 
 def rule_scores(pattern: str, responses: Sequence[str]) -> list[float]:
@@ -67,9 +59,6 @@ class RewardMixer:
         self.active = any(t.config.reward_components for t in tasks.values())
 
     def judge(self, name: str | None) -> Judge:
-        from polyrl.models.device import resolve_device
-        from polyrl.rewards.judge import Judge
-
         name = name or self.default_judge
         if name not in self.judges:
             self.judges[name] = Judge(name, seed=self.seed, device=resolve_device(self.device))

@@ -6,7 +6,10 @@ from typing import Any
 
 from polyrl.config import engines_of
 from polyrl.parallel.group import current
-from polyrl.runtime.common import Stepper, producer_state
+from polyrl.runtime.async_ import AsyncStepper
+from polyrl.runtime.ray_ import RayStepper
+from polyrl.runtime.stepper import Stepper, producer_state
+from polyrl.train.step import rl_step
 
 
 class LocalStepper:
@@ -16,8 +19,6 @@ class LocalStepper:
         self.run = run
 
     def step(self, step: int):
-        from polyrl.train.step import rl_step
-
         return rl_step(self.run, step)
 
     def producer_state(self) -> dict[str, Any]:
@@ -31,13 +32,9 @@ def make_stepper(run: Any, start: int) -> Stepper:
     """The stepper of ``run.config.runtime.kind``, resuming after step ``start``."""
     kind = run.config.runtime.kind
     if kind == "ray" and engines_of(run.config) == "disaggregated":  # on every learner rank
-        from polyrl.runtime.ray_ import RayStepper
-
         return RayStepper(run, start)
     if current().distributed:  # every rank rolls out its share and steps in turn
         return LocalStepper(run)
     if kind == "async":
-        from polyrl.runtime.async_ import AsyncStepper
-
         return AsyncStepper(run, start)
     return LocalStepper(run)

@@ -21,8 +21,10 @@ import torch
 import torch.multiprocessing as mp
 
 from polyrl.config import Config
-from polyrl.runtime.common import check_staleness, load_producer_state, producer_state, snapshot, staleness_metrics
 from polyrl.runtime.partial import PartialEngine
+from polyrl.runtime.staleness import check_staleness, staleness_metrics
+from polyrl.runtime.stepper import load_producer_state, producer_state, snapshot
+from polyrl.train.step import build_run, learn_batch, local_rollout, produce_batch, step_metrics
 from polyrl.types import Trajectory
 
 _POLL_S = 1.0
@@ -37,8 +39,6 @@ def _rollout_main(
 ) -> None:
     """The rollout process: produce batches start+1 .. train.steps in order, each from the newest weights
     allowed, and send each with the producer's state after it (the learner checkpoints that state)."""
-    from polyrl.train.step import build_run, local_rollout, produce_batch
-
     try:
         learner_pid = os.getppid()
         torch.set_num_threads(threads)
@@ -120,8 +120,6 @@ class AsyncStepper:
             return msg[1], msg[2]
 
     def step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
-        from polyrl.train.step import learn_batch, step_metrics
-
         batch, state = self._receive()
         if batch.step != step:
             raise RuntimeError(f"runtime.kind async: expected the batch of step {step}, got step {batch.step}")

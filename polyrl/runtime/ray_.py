@@ -25,7 +25,8 @@ from polyrl.config import weight_sync_of
 from polyrl.parallel.group import broadcast_object, current
 from polyrl.parallel.sync_group import SyncGroup
 from polyrl.parallel.weight_sync import WeightSender
-from polyrl.runtime.common import check_staleness, producer_state, snapshot, staleness_metrics
+from polyrl.runtime.staleness import check_staleness, staleness_metrics
+from polyrl.runtime.stepper import producer_state, snapshot
 from polyrl.runtime.workers import WorkerPool
 from polyrl.train.step import learn_batch, produce_batch, step_metrics
 from polyrl.types import Trajectory

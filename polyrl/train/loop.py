@@ -21,8 +21,8 @@ from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import RankFailedError, all_reduce_max, current, join_group, leave_group
 from polyrl.parallel.launch import launch_ranks
 from polyrl.runtime import make_stepper
-from polyrl.runtime.common import load_producer_state
 from polyrl.runtime.ray_ranks import train_on_ray_ranks
+from polyrl.runtime.stepper import load_producer_state
 from polyrl.train import faults
 from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
 from polyrl.train.step import NonFiniteError, Run, build_run, evaluate_all

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from polyrl.config import Config, ConfigError, StageConfig, load_config
+from polyrl.config import Config, ConfigError, StageConfig
+from polyrl.config_check import load_config
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import make_task
 from polyrl.models.device import resolve_device

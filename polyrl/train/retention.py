@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from polyrl.config import Config, load_config
+from polyrl.config import Config
+from polyrl.config_check import load_config
 from polyrl.train.checkpoint import latest_checkpoint
 from polyrl.train.loop import train
 

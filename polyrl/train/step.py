@@ -31,9 +31,9 @@ from polyrl.parallel.group import SHARD_SEED_STRIDE, all_gather_objects, contigu
 from polyrl.rewards.monitors import RewardMonitor, monitor_kind, monitor_metrics
 from polyrl.rollout.multi_turn import evaluate, rollout_metrics
 from polyrl.rollout.policy_chat import EnginePolicy
-from polyrl.runtime.allocator import keep_freed_memory
 from polyrl.train import faults
 from polyrl.train.agents import AgentFeatures
+from polyrl.train.glibc_malloc import keep_freed_memory
 from polyrl.train.learner import Learner
 from polyrl.train.multitask import MultiTask
 from polyrl.train.teachers import load_teachers

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from polyrl.models.loading import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
@@ -36,8 +38,6 @@ def _cpu_flags() -> bytes:
 
 
 def _build_dir() -> Path:
-    from polyrl.models.loading import cache_dir
-
     digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags())
     for source in SOURCES + sorted(Path(__file__).parent.glob("*.h")):
         digest.update(source.read_bytes())

@@ -1,4 +1,5 @@
-"""What every runtime shares: the step interface the training loop calls, and the staleness record."""
+"""The step interface the training loop calls on every runtime, the producing half's state a checkpoint keeps,
+and the host copy of the policy's weights a runtime hands to another process."""
 
 from __future__ import annotations
 
@@ -40,29 +41,3 @@ def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A host copy of ``model``'s state: the learner keeps updating its tensors in place while another process
     reads this one, and a GPU learner's tensors cannot cross to a process without a CUDA context of its own."""
     return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-
-def staleness_metrics(trajectories: list[Trajectory], learner_version: int) -> dict[str, float]:
-    """Version lag of the trained tokens (learner version minus the version that sampled each model token),
-    and the share of trajectories whose tokens span several versions (partial rollouts)."""
-    lags: list[int] = []
-    mixed = 0
-    for t in trajectories:
-        versions = [v for v, m in zip(t.versions, t.loss_mask, strict=True) if m]
-        lags += [learner_version - v for v in versions]
-        mixed += len(set(versions)) > 1
-    return {
-        "staleness/mean": sum(lags) / len(lags) if lags else 0.0,
-        "staleness/max": float(max(lags, default=0)),
-        "staleness/mixed_version_frac": mixed / len(trajectories) if trajectories else 0.0,
-    }
-
-
-def check_staleness(trajectories: list[Trajectory], learner_version: int, eta: int, where: str) -> None:
-    """Raise if any trained token was sampled by a policy older than ``learner_version - eta``."""
-    oldest = min((v for t in trajectories for v, m in zip(t.versions, t.loss_mask, strict=True) if m), default=None)
-    if oldest is not None and oldest < learner_version - eta:
-        raise RuntimeError(
-            f"{where}: a token of policy version {oldest} reached learner version {learner_version}, "
-            f"beyond runtime.eta={eta}"
-        )

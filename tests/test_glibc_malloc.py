@@ -1,4 +1,4 @@
-"""runtime/allocator.py: with glibc's thresholds raised, the large temporaries an update makes and frees every
+"""train/glibc_malloc.py: with glibc's thresholds raised, the large temporaries an update makes and frees every
 step are reused from the heap instead of being mapped afresh and page-faulted in each time."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 PROBE = """
 import resource, sys
 import torch
-from polyrl.runtime.allocator import keep_freed_memory
+from polyrl.train.glibc_malloc import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else False
 def step():  # an update's pattern: temporaries of 50-113 MB (above glibc's 32 MB mmap cap), made and freed
     a = torch.ones(50 * 2**20 // 4)
