@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from polyrl.config import AlgorithmConfig, LoraConfig, OptimConfig
-from polyrl.config.features import AgentsConfig
+from polyrl.config import AgentsConfig, AlgorithmConfig, LoraConfig, OptimConfig
 from polyrl.models.loading import load_model, tiny_random_model
+from polyrl.train.advantage_stage import assign_advantages
 from polyrl.train.batch import collate
 from polyrl.train.learner import Learner
 from polyrl.train.logprobs import token_logprobs
@@ -130,16 +130,7 @@ def set_behaviour(model: Any, trajectories: list[Trajectory], seed: int) -> None
 
 def episode_stage(trajectories: list[Trajectory], algo: AlgorithmConfig, agents: AgentsConfig) -> dict[str, float]:
     """The advantage stage of ``produce_batch`` on a step's kept (here: all sampled) trajectories."""
-    from conftest import SMOKE
-
-    from polyrl.algorithms.shaping import assign_advantages
-    from polyrl.config import load_config
-    from polyrl.train.agents import AgentFeatures
-
-    assign_advantages(trajectories, algo)
-    features = AgentFeatures(load_config(SMOKE, [f"agents={json.dumps(agents.model_dump())}"]))
-    metrics = features.after_advantages(trajectories, trajectories)
-    return {k: v for k, v in metrics.items() if k == "arpo/branch_leaves"}
+    return assign_advantages(trajectories, algo, agents)
 
 
 def _params(learner: Learner) -> list[torch.Tensor]:
