@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from polyrl.config import load_config
+from polyrl.config_check import load_config
 from polyrl.train.pipeline import evaluate_domains
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ from algo_helpers import fake_trajectories, make_learner
 from polyrl.algorithms import ADVANTAGES
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.algorithms.kl import kl_penalty_to_go
+from polyrl.train.advantage_stage import token_advantages
 from polyrl.train.batch import collate
-from polyrl.train.learner_terms import loss_advantages
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0])
 ONE_GROUP = torch.tensor([0, 0, 0, 0])
@@ -91,13 +91,14 @@ def test_gdpo_normalises_each_reward_component_within_its_group():
 
 
 def test_gdpo_reads_the_trajectories_reward_components():
-    from polyrl.algorithms.shaping import assign_advantages
-    from polyrl.config import AlgorithmConfig
+    from polyrl.config import AgentsConfig, AlgorithmConfig
+    from polyrl.train.advantage_stage import assign_advantages
 
     ts = fake_trajectories()
     for t, (c, f) in zip(ts, [(1.0, 0.0), (0.0, 1.0), (0.0, 0.0), (0.0, 1.0)], strict=True):
         t.rewards, t.reward = {"correct": c, "format": f}, c + f
-    assign_advantages(ts, AlgorithmConfig(advantage="gdpo", advantage_kwargs={"eps": 0.0, "batch_norm": False}))
+    assign_advantages(ts, AlgorithmConfig(advantage="gdpo", advantage_kwargs={"eps": 0.0, "batch_norm": False}),
+                      AgentsConfig())
     a = math.sqrt(3) / 2
     close(torch.tensor([t.advantage for t in ts]), [1.5 - a, -0.5 + a, -0.5 - a, -0.5 + a], tol=1e-5)
 
@@ -189,7 +190,9 @@ def test_learner_turns_rewards_into_gae_advantages_and_trains_the_critic():
     batch = collate(ts, pad_id=2)
     rewards = torch.tensor([t.reward for t in ts])
     # a fresh head predicts V = 0: A_t = (gamma lam)^(2 - t) R -> [0.9025, 0.95, 1] for R = 1, zeros for R = 0
-    adv, returns = loss_advantages(learner.algo, batch, rewards, torch.zeros(4, 3), None, torch.zeros(4, 3))
+    no_cross = torch.zeros(4, dtype=torch.bool)
+    adv, _, _, returns, _ = token_advantages(learner.algo, batch, rewards, torch.zeros(4, 3), None, torch.zeros(4, 3),
+                                             no_cross, 2.0, 1.0)
     assert adv[1].tolist() == pytest.approx([0.9025, 0.95, 1.0]) and adv[0].tolist() == [0.0, 0.0, 0.0]
     assert torch.equal(returns, adv)
     before = [p.detach().clone() for p in learner.value_head.parameters()]
@@ -219,7 +222,7 @@ def test_the_critic_is_part_of_the_learner_state():
 
 
 def test_gated_shaping_pays_only_solved_episodes():
-    from polyrl.algorithms.shaping import gate_rewards
+    from polyrl.algorithms.reward_shaping import gate_rewards
 
     ts = fake_trajectories(3)
     parts = [{"env": 1.0, "judge": 0.5, "overlong": -0.2}, {"env": 0.0, "judge": 0.8, "overlong": -0.1},
@@ -237,7 +240,7 @@ def test_gated_shaping_pays_only_solved_episodes():
 
 
 def test_reward_gate_through_shape_rewards():
-    from polyrl.algorithms.shaping import shape_rewards
+    from polyrl.algorithms.reward_shaping import shape_rewards
     from polyrl.config import AlgorithmConfig
 
     ts = fake_trajectories(2)
@@ -264,7 +267,7 @@ def test_gating_on_a_reward_no_task_records_is_a_config_error():
 
 
 def test_rubric_rule_criteria_names_and_per_criterion_means():
-    from polyrl.algorithms.shaping import criterion_means
+    from polyrl.algorithms.reward_shaping import criterion_means
     from polyrl.config import RewardComponentConfig, component_names
     from polyrl.rewards.mix import rule_scores
 

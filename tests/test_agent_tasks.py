@@ -233,7 +233,7 @@ def test_a_step_whose_episodes_all_drop_leaves_the_policy_as_it_was(tmp_path, mo
 
 
 def test_advantage_estimators_and_losses_load_by_module_attr(tmp_path, monkeypatch):
-    from polyrl.algorithms.shaping import assign_advantages
+    from polyrl.train.advantage_stage import assign_advantages
     from polyrl.types import Trajectory
 
     monkeypatch.chdir(tmp_path)
@@ -245,7 +245,7 @@ def test_advantage_estimators_and_losses_load_by_module_attr(tmp_path, monkeypat
     algo = {"advantage": "my_algos:centered", "advantage_kwargs": {"scale": 2.0}}
     cfg = load_config(None, data={**TINY, "tasks": [{"name": "chain_sum"}], "algorithm": algo})
     trajectories = [Trajectory("t", 0, 0, [1, 2], [0, 1], [0.0, -1.0], [-1, 0], reward=r) for r in (1.0, 0.0, 0.0)]
-    assign_advantages(trajectories, cfg.algorithm)
+    assign_advantages(trajectories, cfg.algorithm, cfg.agents)
     assert [t.advantage for t in trajectories] == pytest.approx([4 / 3, -2 / 3, -2 / 3])  # 2 * (r - 1/3)
     for bad, message in (({"advantage": "my_algos:nope"}, "algorithm.advantage: 'my_algos' has no attribute 'nope'"),
                          ({"loss": "no_module:fn"}, "algorithm.loss: no module named 'no_module'"),

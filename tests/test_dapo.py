@@ -5,9 +5,10 @@ import torch
 from algo_helpers import fake_trajectories, make_learner
 
 from polyrl.algorithms.dapo import group_has_variance, overlong_penalty
-from polyrl.algorithms.shaping import assign_advantages, shape_rewards
-from polyrl.config import AlgorithmConfig
+from polyrl.algorithms.reward_shaping import shape_rewards
+from polyrl.config import AgentsConfig, AlgorithmConfig
 from polyrl.data.dynamic_sampling import dynamic_sample
+from polyrl.train.advantage_stage import assign_advantages
 from polyrl.types import Trajectory
 
 
@@ -40,10 +41,10 @@ def test_shape_rewards_adds_the_scaled_penalty_and_records_it():
 
 def test_assign_advantages_uses_the_configured_estimator_and_kwargs():
     ts = [traj(0, 1.0), traj(0, 0.0), traj(0, 0.0), traj(0, 1.0)]
-    assign_advantages(ts, AlgorithmConfig(advantage="rloo"))
+    assign_advantages(ts, AlgorithmConfig(advantage="rloo"), AgentsConfig())
     assert [t.advantage for t in ts] == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
     # grpo with a huge eps: (r - 0.5) / (0.577 + 1000) is about +-0.0005
-    assign_advantages(ts, AlgorithmConfig(advantage="grpo", advantage_kwargs={"eps": 1000.0}))
+    assign_advantages(ts, AlgorithmConfig(advantage="grpo", advantage_kwargs={"eps": 1000.0}), AgentsConfig())
     assert abs(ts[0].advantage) < 1e-3 and ts[0].advantage > 0
 
 

@@ -66,7 +66,7 @@ def test_logprobs_match_a_plain_model_call():
 
 
 def test_lr_schedules_worked_by_hand():
-    from polyrl.train.learner import lr_factor
+    from polyrl.train.optimizer import lr_factor
 
     # warmup 2 of 10 steps: 0.5, 1.0; then linear decay over the remaining 8: step 6 is 4/8 of the way.
     assert [lr_factor(s, 2, 10, "linear") for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]

@@ -11,8 +11,8 @@ from polyrl.algorithms import LOSSES, aggregate
 from polyrl.algorithms.losses import ppo_clip_loss
 from polyrl.config import ConfigError
 from polyrl.config_check import load_config
+from polyrl.train.advantage_stage import token_advantages
 from polyrl.train.batch import collate
-from polyrl.train.learner_terms import loss_advantages
 
 LOG15 = math.log(1.5)
 BUILT_IN = ["ppo_clip", "dual_clip", "gspo", "cispo", "dppo", "sapo"]
@@ -250,11 +250,13 @@ def test_kl_in_the_reward_makes_per_token_advantages():
     batch = collate(fake_trajectories(1), pad_id=2)
     batch.advantages = torch.tensor([1.0])
     old, ref = torch.zeros(1, 3), torch.tensor([[-0.1, -0.2, -0.3]])
-    adv, returns = loss_advantages(learner.algo, batch, torch.tensor([1.0]), old, ref, None)
+    no_cross = torch.tensor([False])
+    adv, _, _, returns, _ = token_advantages(learner.algo, batch, torch.tensor([1.0]), old, ref, None, no_cross, 2.0,
+                                             1.0)
     assert adv[0].tolist() == pytest.approx([0.7, 0.75, 0.85]) and returns is None
     # in the loss instead: advantages stay per sequence
     in_loss = make_learner(kl_coef=0.5, kl_in="loss", kl_estimator="k1")
-    adv, _ = loss_advantages(in_loss.algo, batch, torch.tensor([1.0]), old, ref, None)
+    adv = token_advantages(in_loss.algo, batch, torch.tensor([1.0]), old, ref, None, no_cross, 2.0, 1.0).advantages
     assert adv.tolist() == [1.0]
 
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 import yaml
 
-from polyrl.algorithms.shaping import assign_advantages
 from polyrl.algorithms.task_norm import task_normalise
-from polyrl.config import AlgorithmConfig, ConfigError, CurriculumConfig, TaskConfig
+from polyrl.config import AgentsConfig, AlgorithmConfig, ConfigError, CurriculumConfig, TaskConfig
 from polyrl.config_check import load_config
 from polyrl.data.curriculum import (
     Curriculum,
@@ -21,6 +20,7 @@ from polyrl.data.curriculum import (
     progress_mixture,
     should_promote,
 )
+from polyrl.train.advantage_stage import assign_advantages
 from polyrl.train.multitask import cross_policy_split
 from polyrl.types import Trajectory
 
@@ -53,7 +53,7 @@ def test_assign_advantages_normalises_within_each_task():
     # std absorbs the scale); after task_norm each task's advantages have mean 0 and std 1.
     trajs = [_traj("a", 0, r) for r in (0, 1, 1, 0)] + [_traj("b", 1, r) for r in (0, 10, 0, 0)]
     algo = AlgorithmConfig(task_norm=True)
-    assign_advantages(trajs, algo)
+    assign_advantages(trajs, algo, AgentsConfig())
     for task in ("a", "b"):
         adv = torch.tensor([t.advantage for t in trajs if t.task == task])
         assert float(adv.mean()) == pytest.approx(0.0, abs=1e-6)
@@ -78,7 +78,7 @@ def test_cross_policy_split_leaves_the_learner_a_group():
 def test_learner_weights_cross_policy_tokens_by_truncated_is():
     from types import SimpleNamespace
 
-    from polyrl.train.learner_terms import cross_policy_advantages
+    from polyrl.train.advantage_stage import cross_policy_advantages
 
     old = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
     behaviour = torch.log(torch.tensor([[0.5, 0.5], [0.1, 0.4]]))  # row 1 was sampled by another policy

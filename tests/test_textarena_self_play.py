@@ -15,7 +15,8 @@ from conftest import ROOT
 
 pytest.importorskip("textarena")
 
-from polyrl.config import ConfigError, TaskConfig, load_config  # noqa: E402
+from polyrl.config import ConfigError, TaskConfig  # noqa: E402
+from polyrl.config_check import load_config  # noqa: E402
 from polyrl.engines.hf import HFEngine  # noqa: E402
 from polyrl.envs import make_task  # noqa: E402
 from polyrl.models.loading import load_model, load_tokenizer  # noqa: E402

@@ -6,7 +6,6 @@ from __future__ import annotations
 from statistics import mean
 from typing import Any
 
-from polyrl.algorithms.step_credit import apply_step_credit, attribute_tree_advantages
 from polyrl.config import Config, RolloutConfig
 from polyrl.data.replay import PromptReplay, SuccessBuffer
 from polyrl.data.sampler import Draw, TaskSampler
@@ -79,13 +78,10 @@ class AgentFeatures:
             for k, v in self.success.mix_in(trajectories, step).items():
                 self.pending[k] = self.pending.get(k, 0.0) + v
 
-    # 4. after the episode advantages: per-turn credit, then ARPO's shared-prefix attribution
+    # 4. after the advantages (train/advantage_stage.py, which also does step credit and ARPO attribution)
     def after_advantages(self, kept: list[Trajectory], sampled: list[Trajectory]) -> dict[str, float]:
-        sc = self.cfg.step_credit
-        apply_step_credit(kept, sc.mode, sc.weight, sc.gamma)
         metrics: dict[str, float] = {}
         if self.cfg.arpo.enabled:
-            metrics["arpo/branch_leaves"] = float(attribute_tree_advantages(kept))
             metrics["arpo/branch_points"] = float(sum({t.group_id: t.info.get("arpo_branch_points", 0)
                                                        for t in sampled}.values()))
         if self.cfg.early_stop.enabled:

@@ -15,6 +15,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,18 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
             return path
         log.warning("skipping corrupt checkpoint: %s", problem)
     return None
+
+
+def checkpoint_to_resume(run_dir: Path, clean: bool = True, log: Callable[[str], None] = print) -> Path | None:
+    """The checkpoint a resumed run (RL or SFT) starts from: the newest that verifies, once the temp dirs of
+    killed saves are gone (``clean``: only the process that owns the run removes them); None, said in
+    ``log``, when there is none."""
+    if clean:
+        remove_partial_saves(run_dir)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        log(f"{run_dir}: no usable checkpoint to resume from; starting from step 0")
+    return ckpt
 
 
 def load_weights(model, path: Path) -> None:

@@ -6,38 +6,53 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import warnings
-from functools import partial
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
-from polyrl.algorithms import LOSSES, aggregate, kl_estimate
-from polyrl.algorithms.corrections import correct_off_policy, truncated_importance_weight
-from polyrl.algorithms.distill import reverse_kl_loss
-from polyrl.algorithms.gae import ValueHead, value_loss
+from polyrl.algorithms.gae import ValueHead
 from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED
-from polyrl.algorithms.mismatch import mismatch_metrics, mismatch_sums
-from polyrl.algorithms.validate import takes_behaviour
+from polyrl.algorithms.mismatch import mismatch_sums
 from polyrl.config import AlgorithmConfig, LearnerConfig, OptimConfig
 from polyrl.parallel.fsdp import clip_grad_norm, shard_module
-from polyrl.parallel.group import balanced_shards, current, merge_rank_metrics
+from polyrl.parallel.group import balanced_shards, current
+from polyrl.train.advantage_stage import token_advantages
 from polyrl.train.batch import Batch, collate
-from polyrl.train.learner_terms import accumulate, add_sums, cross_policy_advantages, detach, loss_advantages
 from polyrl.train.logprobs import response_logits
+from polyrl.train.loss_terms import LOSS_TERMS, LossInputs
+from polyrl.train.optimizer import load_optimizer_state, make_optimizer, optimizer_state, schedule_step
 from polyrl.train.policy_pass import PolicyPass
 from polyrl.train.task_gradients import combine, put_local_grads, take_local_grads
+from polyrl.train.update_metrics import UpdateMetrics, add_sums
 from polyrl.types import Trajectory
 
 
-def lr_factor(step: int, warmup: int, total: int, kind: str) -> float:
-    """Multiplier of the base learning rate for update ``step`` (0-based): linear warmup, then decay to 0."""
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    if kind == "constant" or total <= warmup:
-        return 1.0
-    progress = min(1.0, (step - warmup) / (total - warmup))
-    return 1.0 - progress if kind == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+@dataclass
+class _Plan:
+    """One update's micro-batches on this rank and what every pass over them reads."""
+
+    micro_batches: list[Batch]
+    chunks: list[torch.Tensor]
+    """Each micro-batch's rows in the sorted batch."""
+    real: list[bool]
+    """False for a placeholder pass (a rank with less work still joins each collective)."""
+    real_total: int
+    """Real micro-batches over all ranks."""
+    ref: list[torch.Tensor] | None
+    """The KL reference's log-probs per micro-batch, when kept."""
+    old: list[tuple[torch.Tensor, torch.Tensor | None]] | None
+    """Log-probs and values before the update, when there are several epochs."""
+    rewards: torch.Tensor
+    cross: torch.Tensor
+    """[N] bool: rows another policy sampled (``rollout.cross_policy``)."""
+    tasks: list[str]
+    n_rows: int
+    num_tokens: float
+
+
+def detach(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.detach()
 
 
 class Learner:
@@ -93,13 +108,7 @@ class Learner:
         groups: list[dict] = [{"params": self.params}]
         if self.value_head is not None:
             groups.append({"params": list(self.value_head.parameters()), "lr": algo.value_lr, "weight_decay": 0.0})
-        # fused: one kernel per parameter instead of a dozen elementwise passes (several times faster on a CPU).
-        self.optimizer = torch.optim.AdamW(
-            groups, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, fused=True
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, partial(lr_factor, warmup=optim.warmup_steps, total=total_steps, kind=optim.schedule)
-        )
+        self.optimizer, self.scheduler = make_optimizer(groups, optim, total_steps)
 
     @property
     def share_prefix(self) -> bool:
@@ -114,7 +123,7 @@ class Learner:
 
     def state_dict(self) -> dict:
         """What a checkpoint needs besides the policy weights: optimizer, scheduler and the critic, if any."""
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        state = optimizer_state(self.optimizer, self.scheduler)
         if self.value_head is not None:
             state["value_head"] = self.value_head.state_dict()
         return state
@@ -123,8 +132,7 @@ class Learner:
         if (self.value_head is not None) != ("value_head" in state):
             have = "has a value head" if "value_head" in state else "has no value head"
             raise ValueError(f"checkpoint {have}, but algorithm.advantage is {self.algo.advantage}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_optimizer_state(self.optimizer, self.scheduler, state)
         if self.value_head is not None:
             self.value_head.load_state_dict(state["value_head"])
 
@@ -149,102 +157,7 @@ class Learner:
             batch.loss_mask = batch.loss_mask * keep[:, None]
         if self._gradient_is_zero(batch):
             return self._step_on_zero_gradient()
-        rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=self.device)
-        cross = torch.tensor([bool(t.info.get("cross_policy")) for t in trajectories], device=self.device)
-        any_cross = any(t.info.get("cross_policy") for t in trajectories)
-        # Normalisers of the whole batch: each rank's share of the loss carries them, so the ranks' gradients
-        # add up to the gradient of the one-process loss over the whole batch.
-        num_tokens = float(batch.loss_mask.sum().clamp(min=1))
-        chunks, real, real_total = self._my_micro_batches(trajectories)
-        micro_batches = [batch.rows(c) for c in chunks]  # trimmed once, reused by every pass below
-        for mb, is_real in zip(micro_batches, real, strict=True):
-            if not is_real:  # a placeholder pass that keeps the ranks' collectives in step; it adds nothing
-                mb.loss_mask = torch.zeros_like(mb.loss_mask)
-        if self.device.type != "cpu":
-            micro_batches = [mb.to(self.device) for mb in micro_batches]
-            chunks = [c.to(self.device) for c in chunks]
-        ref = [self._reference_logprobs(mb) for mb in micro_batches] if self.wants_reference else None
-        old = None
-        if algo.epochs > 1:  # several passes need the pre-update log-probs (and values) fixed up front
-            with torch.no_grad():
-                old = [(f[0], f[2]) for f in map(self._forward, micro_batches)]
-        loss_fn = LOSSES[algo.loss]
-        loss_kwargs = dict(algo.loss_kwargs)
-        totals: dict[str, float] = {}  # summed over micro-batches (they add up to the batch loss)
-        means: dict[str, float] = {}  # averaged over micro-batches (extremes for */max and */min)
-        # Each row's task, so a micro-batch finds its rows' teachers (rows keep the sorted order).
-        row_tasks = [t.task for t in trajectories]
-        mismatch: dict[str, float] = {}  # engine vs learner log-probs, summed over this rank's micro-batches
-
-        def passes(epoch: int, rows: torch.Tensor | None = None, n_passes: int = 1) -> None:
-            """Forward and backward over this rank's micro-batches, adding into the gradients; ``rows``: 0/1 per
-            row of the batch, the rows that count (one task's), of ``n_passes`` that make up the batch."""
-            for k, (c, mb) in enumerate(zip(chunks, micro_batches, strict=True)):
-                if rows is not None:  # one task's passes: the other tasks' rows count for nothing
-                    mb = dataclasses.replace(mb, loss_mask=mb.loss_mask * rows[c][:, None])
-                # token-mean shares the global token count; the seq-mean modes weight by sequences.
-                share = 1.0 if algo.loss_agg == "token-mean" else mb.targets.shape[0] / len(trajectories)
-                share *= real[k]
-                logp, entropy, values, logits = self._forward(mb, entropy_grad=algo.entropy_coef != 0)
-                old_logp, old_values = old[k] if old is not None else (logp.detach(), detach(values))
-                ref_logp = ref[k] if ref is not None else None
-                advantages, returns = loss_advantages(algo, mb, rewards[c], old_logp, ref_logp, old_values)
-                if epoch == 0 and real[k]:  # another model's rows (cross-policy) are no engine mismatch
-                    own = mb.loss_mask * ~cross[c][:, None]
-                    add_sums(mismatch, mismatch_sums(old_logp, mb.behaviour_logp, own, algo.mismatch_band))
-                # Tokens another policy sampled (rollout.cross_policy): weight by min(pi_old / mu, cap), unless
-                # algorithm.off_policy already corrects every row.
-                x_metrics = {}
-                if algo.off_policy == "none" and any_cross and bool(cross[c].any()):
-                    advantages, x_metrics = cross_policy_advantages(mb, cross[c], old_logp, advantages, self.is_cap)
-                # Replayed samples (data/replay.py) are off-policy; algorithm.off_policy, when set, corrects them
-                # with every other row, so this one is only for the otherwise on-policy case.
-                if algo.off_policy == "none" and bool(mb.replayed.any()):
-                    w = truncated_importance_weight(old_logp, mb.behaviour_logp, self.replay_is_cap)
-                    w = torch.where(mb.replayed[:, None], w, torch.ones_like(w))
-                    advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * w
-                pg_mask, off_metrics = mb.loss_mask, {}
-                if algo.off_policy != "none":  # stale tokens (async runtimes): algorithms/corrections.py
-                    old_logp, advantages, pg_mask, off_metrics = correct_off_policy(
-                        algo.off_policy, old_logp, mb.behaviour_logp, advantages, mb.loss_mask, algo.tis_cap,
-                        algo.m2po_tau, algo.off_policy_kwargs)
-                if takes_behaviour(loss_fn):
-                    loss_kwargs["behaviour_logp"] = mb.behaviour_logp
-                pg_loss, m = loss_fn(
-                    logp, old_logp, advantages, pg_mask, clip_low=algo.clip_low,
-                    clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=num_tokens, **loss_kwargs,
-                )
-                m = {**m, **x_metrics}
-                m.update(off_metrics)
-                ent = aggregate(entropy, mb.loss_mask, algo.loss_agg, num_tokens) * share
-                loss = algo.pg_coef * pg_loss * share - algo.entropy_coef * ent
-                parts = {"loss/pg": float(pg_loss.detach()) * share, "entropy": float(ent.detach())}
-                if self.teachers and algo.distill_coef > 0:
-                    d_loss, dm = self._distill(mb, logits, [row_tasks[i] for i in c.tolist()], num_tokens)
-                    loss = loss + algo.distill_coef * d_loss * share
-                    parts["loss/distill"] = float(d_loss.detach()) * share
-                    m = {**m, **dm}
-                if ref_logp is not None:
-                    kl_tok = kl_estimate(logp, ref_logp, algo.kl_estimator)
-                    kl = aggregate(kl_tok, mb.loss_mask, algo.loss_agg, num_tokens)
-                    parts["kl"] = float(kl.detach()) * share
-                    if algo.kl_coef > 0 and algo.kl_in == "loss":
-                        loss = loss + algo.kl_coef * kl * share
-                if values is not None:
-                    v_loss, vm = value_loss(
-                        values, old_values, returns, mb.loss_mask, algo.value_clip, algo.loss_agg, num_tokens
-                    )
-                    loss = loss + v_loss * share  # the head sees detached features: this trains the head only
-                    parts["loss/value"] = float(v_loss.detach()) * share
-                    m = {**m, **vm}
-                loss.backward()
-                if not real[k]:
-                    continue
-                parts["loss"] = float(loss.detach())
-                for key, v in parts.items():
-                    totals[key] = totals.get(key, 0.0) + v / algo.epochs
-                accumulate(means, m, algo.epochs * real_total * n_passes)
-
+        plan, metrics = self._plan(trajectories, batch), UpdateMetrics(algo.epochs)
         task_names = sorted({t.task for t in trajectories})
         per_task = len(task_names) > 1 and (algo.gradient_surgery != "none" or (
             algo.task_grad_every > 0 and self.scheduler.last_epoch % algo.task_grad_every == 0))
@@ -255,39 +168,85 @@ class Learner:
                 grads = []
                 for name in task_names:
                     rows = torch.tensor([float(t.task == name) for t in trajectories], device=self.device)
-                    passes(epoch, rows, len(task_names))
+                    self._passes(plan, metrics, epoch, rows, len(task_names))
                     grads.append(take_local_grads(self.params))
                 combined, tm = combine(task_names, grads, algo.gradient_surgery, self.scheduler.last_epoch)
                 put_local_grads(self.params, combined)
                 task_metrics = task_metrics or tm  # the first epoch's: the gradients of the batch as sampled
             else:
-                passes(epoch)
-            grad_norm = clip_grad_norm(self.params, self.optim_cfg.grad_clip)
-            if self.value_head is not None:  # clipped apart: a fresh critic's big gradients spare the policy
-                clip_grad_norm(list(self.value_head.parameters()), self.optim_cfg.grad_clip)
-            if math.isfinite(grad_norm):
-                self.optimizer.step()
-            else:  # a NaN/inf gradient must not reach the weights
-                self.optimizer.zero_grad(set_to_none=True)
-                totals["skipped_updates"] = totals.get("skipped_updates", 0.0) + 1
-            means["grad_norm"] = means.get("grad_norm", 0.0) + grad_norm / algo.epochs
-        self._scheduler_step()
-        totals.update({f"mismatch/sum/{key}": v for key, v in mismatch.items()})
-        if self.ranks.distributed:
-            totals, means = merge_rank_metrics(totals, means)
-        sums = {key.removeprefix("mismatch/sum/"): totals.pop(key) for key in list(totals)
-                if key.startswith("mismatch/sum/")}
-        totals.update(mismatch_metrics(sums))
-        totals.update(task_metrics)  # already the same on every rank (dot products summed over the ranks)
-        totals.setdefault("kl", None)  # not measured: no reference was kept (kl_coef 0, track_kl off)
-        totals.setdefault("skipped_updates", 0.0)
-        return {**totals, **means, "zero_gradient": 0.0, "lr": self.scheduler.get_last_lr()[0]}
+                self._passes(plan, metrics, epoch)
+            self._optimizer_step(metrics)
+        schedule_step(self.scheduler)
+        return metrics.result(self.ranks.distributed, task_metrics, self.scheduler.get_last_lr()[0])
 
-    def _scheduler_step(self) -> None:
-        with warnings.catch_warnings():
-            # A skipped (NaN) first update leaves the optimizer unstepped; the schedule still advances by design.
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
-            self.scheduler.step()
+    def _plan(self, trajectories: list[Trajectory], batch: Batch) -> _Plan:
+        """This rank's micro-batches of the sorted batch, with what every pass over them reads: the rewards,
+        the cross-policy rows, the KL reference's log-probs and, for several epochs, the log-probs and values
+        before the update."""
+        chunks, real, real_total = self._my_micro_batches(trajectories)
+        micro_batches = [batch.rows(c) for c in chunks]  # trimmed once, reused by every pass
+        for mb, is_real in zip(micro_batches, real, strict=True):
+            if not is_real:  # a placeholder pass that keeps the ranks' collectives in step; it adds nothing
+                mb.loss_mask = torch.zeros_like(mb.loss_mask)
+        if self.device.type != "cpu":
+            micro_batches = [mb.to(self.device) for mb in micro_batches]
+            chunks = [c.to(self.device) for c in chunks]
+        ref = [self._reference_logprobs(mb) for mb in micro_batches] if self.wants_reference else None
+        old = None
+        if self.algo.epochs > 1:  # several passes need the pre-update log-probs (and values) fixed up front
+            with torch.no_grad():
+                old = [(f[0], f[2]) for f in map(self._forward, micro_batches)]
+        return _Plan(
+            micro_batches, chunks, real, real_total, ref, old,
+            rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=self.device),
+            cross=torch.tensor([bool(t.info.get("cross_policy")) for t in trajectories], device=self.device),
+            tasks=[t.task for t in trajectories], n_rows=len(trajectories),
+            # The whole batch's normaliser: each rank's share of the loss carries it, so the ranks' gradients
+            # add up to the gradient of the one-process loss over the whole batch.
+            num_tokens=float(batch.loss_mask.sum().clamp(min=1)),
+        )
+
+    def _passes(
+        self, plan: _Plan, metrics: UpdateMetrics, epoch: int, rows: torch.Tensor | None = None, n_passes: int = 1
+    ) -> None:
+        """Forward and backward over this rank's micro-batches, adding into the gradients; ``rows``: 0/1 per
+        row of the batch, the rows that count (one task's), of ``n_passes`` that make up the batch."""
+        algo = self.algo
+        for k, (c, mb) in enumerate(zip(plan.chunks, plan.micro_batches, strict=True)):
+            if rows is not None:  # one task's passes: the other tasks' rows count for nothing
+                mb = dataclasses.replace(mb, loss_mask=mb.loss_mask * rows[c][:, None])
+            # token-mean shares the global token count; the seq-mean modes weight by sequences.
+            share = 1.0 if algo.loss_agg == "token-mean" else mb.targets.shape[0] / plan.n_rows
+            share *= plan.real[k]
+            logp, entropy, values, logits = self._forward(mb, entropy_grad=algo.entropy_coef != 0)
+            old_logp, old_values = plan.old[k] if plan.old is not None else (logp.detach(), detach(values))
+            ref_logp = plan.ref[k] if plan.ref is not None else None
+            advantages = token_advantages(algo, mb, plan.rewards[c], old_logp, ref_logp, old_values, plan.cross[c],
+                                          self.is_cap, self.replay_is_cap)
+            if epoch == 0 and plan.real[k]:  # another model's rows (cross-policy) are no engine mismatch
+                own = mb.loss_mask * ~plan.cross[c][:, None]
+                add_sums(metrics.mismatch, mismatch_sums(old_logp, mb.behaviour_logp, own, algo.mismatch_band))
+            teacher_logits, teacher_rows = self._teacher_logits(mb, logits, [plan.tasks[i] for i in c.tolist()])
+            x = LossInputs(mb, logp, entropy, values, logits, ref_logp, old_values, advantages, teacher_logits,
+                           teacher_rows, plan.num_tokens, share)
+            terms = [term(algo, x) for term in LOSS_TERMS]
+            loss = sum(t.loss for t in terms if t.loss is not None)  # policy + entropy + distill + KL + value
+            loss.backward()
+            if plan.real[k]:
+                metrics.add_pass(float(loss.detach()), {key: v for t in terms for key, v in t.logged.items()},
+                                 {**advantages.metrics, **{key: v for t in terms for key, v in t.metrics.items()}},
+                                 algo.epochs * plan.real_total * n_passes)
+
+    def _optimizer_step(self, metrics: UpdateMetrics) -> None:
+        """Clip the gradients and step, unless they are not finite (a NaN/inf must not reach the weights)."""
+        grad_norm = clip_grad_norm(self.params, self.optim_cfg.grad_clip)
+        if self.value_head is not None:  # clipped apart: a fresh critic's big gradients spare the policy
+            clip_grad_norm(list(self.value_head.parameters()), self.optim_cfg.grad_clip)
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        metrics.add_step(grad_norm, skipped=not math.isfinite(grad_norm))
 
     def _my_micro_batches(self, trajectories: list[Trajectory]) -> tuple[list[torch.Tensor], list[bool], int]:
         """This rank's micro-batches (row indices of the sorted batch), whether each is real, and the number of
@@ -335,7 +294,7 @@ class Learner:
                 p.grad = torch.zeros_like(p)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._scheduler_step()
+        schedule_step(self.scheduler)
         return {"loss/pg": 0.0, "entropy": None, "loss": 0.0, "kl": None, "skipped_updates": 0.0, "grad_norm": 0.0,
                 "zero_gradient": 1.0, "lr": self.scheduler.get_last_lr()[0]}
 
@@ -346,11 +305,14 @@ class Learner:
         logits when distillation needs them (``PolicyPass``)."""
         return self.policy_pass(batch, entropy_grad, logits=bool(self.teachers) and self.algo.distill_coef > 0)
 
-    def _distill(
-        self, mb: Batch, logits: torch.Tensor, tasks: list[str], num_tokens: float
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Reverse KL to each row's task teacher (multi-teacher on-policy distillation); rows of tasks without
-        a teacher are masked out. The teacher sees the same tokens under the same temperature."""
+    def _teacher_logits(
+        self, mb: Batch, logits: torch.Tensor | None, tasks: list[str]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Each row's task teacher's logits on the same tokens under the same temperature (multi-teacher
+        on-policy distillation), zeros on rows whose task has no teacher; and 1 per row that has one. Both
+        None when not distilling."""
+        if logits is None or not (self.teachers and self.algo.distill_coef > 0):
+            return None, None
         teacher_logits = torch.zeros_like(logits, requires_grad=False)
         has_teacher = torch.zeros(len(tasks), dtype=mb.loss_mask.dtype, device=logits.device)
         with torch.no_grad():
@@ -362,5 +324,4 @@ class Learner:
                 sub = Batch(*(getattr(mb, f)[idx] for f in mb.__dataclass_fields__))
                 teacher_logits[idx] = response_logits(teacher, sub, self.temperature, self.bf16)
                 has_teacher[idx] = 1.0
-        return reverse_kl_loss(logits, teacher_logits, mb.loss_mask * has_teacher[:, None], self.algo.loss_agg,
-                               num_tokens)
+        return teacher_logits, has_teacher

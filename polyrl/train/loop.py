@@ -24,7 +24,7 @@ from polyrl.runtime import make_stepper
 from polyrl.runtime.ray_ranks import train_on_ray_ranks
 from polyrl.runtime.stepper import load_producer_state
 from polyrl.train import faults
-from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
+from polyrl.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from polyrl.train.step import NonFiniteError, Run, build_run, evaluate_all
 
 
@@ -56,11 +56,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
 
     start, train_time = 0, 0.0
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if resume and ranks.is_main:
-        remove_partial_saves(run_dir)  # temp dirs of saves killed before their rename
-    if resume and ckpt is None:
-        log(f"{run_dir}: no usable checkpoint to resume from; starting from step 0")
+    ckpt = checkpoint_to_resume(run_dir, ranks.is_main, log) if resume else None
     if ckpt is not None:
         state = _restore(run, ckpt)
         load_producer_state(run, state)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +25,10 @@ from polyrl.observe.metrics import open_metrics_logger
 from polyrl.rollout.render import ChatRenderer
 from polyrl.train import faults
 from polyrl.train.batch import collate
-from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, remove_partial_saves, save_checkpoint
+from polyrl.train.checkpoint import checkpoint_to_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from polyrl.train.demonstrations import demonstration_example
-from polyrl.train.learner import lr_factor
 from polyrl.train.logprobs import token_logprobs
+from polyrl.train.optimizer import load_optimizer_state, make_optimizer, optimizer_state, schedule_step
 from polyrl.train.step import load_policy
 from polyrl.types import Trajectory
 
@@ -83,29 +82,21 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=seed)
     params = [p for p in model.parameters() if p.requires_grad]
     o = config.optim
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=o.betas, weight_decay=o.weight_decay, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, partial(lr_factor, warmup=o.warmup_steps, total=config.train.steps, kind=o.schedule)
-    )
+    optimizer, scheduler = make_optimizer(params, o, config.train.steps)  # the RL learner's optimizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     start, train_time = 0, 0.0
-    ckpt = None
-    if resume:
-        remove_partial_saves(run_dir)
-        ckpt = latest_checkpoint(run_dir)
+    ckpt = checkpoint_to_resume(run_dir, log=log) if resume else None  # as the RL loop resumes
     if ckpt is not None:
         opt_state, state = load_checkpoint(ckpt, model)
-        optimizer.load_state_dict(opt_state["optimizer"])
-        scheduler.load_state_dict(opt_state["scheduler"])
+        load_optimizer_state(optimizer, scheduler, opt_state)
         sampler.load_state_dict(state["sampler"])
         start, train_time = state["step"], state["train_time_s"]
         log(f"resumed from {ckpt} (step {start})")
 
     def checkpoint(step: int) -> None:
         save_checkpoint(
-            run_dir, step, model, tokenizer,
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+            run_dir, step, model, tokenizer, optimizer_state(optimizer, scheduler),
             {"sampler": sampler.state_dict(), "train_time_s": train_time}, keep=config.train.keep_checkpoints,
         )
 
@@ -134,7 +125,7 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip))
             if math.isfinite(grad_norm):  # a NaN/inf gradient must not reach the weights
                 optimizer.step()
-            scheduler.step()
+            schedule_step(scheduler)
             step_time = time.perf_counter() - t0
             train_time += step_time
             last_loss = total

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from polyrl.algorithms.shaping import assign_advantages, shape_rewards
+from polyrl.algorithms.reward_shaping import shape_rewards
 from polyrl.config import Config
 from polyrl.data.dynamic_sampling import Sampled, dynamic_sample
 from polyrl.data.sampler import TaskSampler
@@ -32,6 +32,7 @@ from polyrl.rewards.monitors import RewardMonitor, monitor_kind, monitor_metrics
 from polyrl.rollout.multi_turn import evaluate, rollout_metrics
 from polyrl.rollout.policy_chat import EnginePolicy
 from polyrl.train import faults
+from polyrl.train.advantage_stage import assign_advantages
 from polyrl.train.agents import AgentFeatures
 from polyrl.train.glibc_malloc import keep_freed_memory
 from polyrl.train.learner import Learner
@@ -178,8 +179,8 @@ def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: R
     shaping.update(mt.observe(step, groups.sampled))  # curriculum levels, pass rates, mixture
     if run.monitor is not None:
         shaping.update(monitor_metrics(groups.sampled))
-    assign_advantages(groups.kept, algo)
-    shaping.update(run.agents.after_advantages(groups.kept, groups.sampled))  # step credit, ARPO attribution
+    shaping.update(assign_advantages(groups.kept, algo, cfg.agents))  # estimator, task norm, step credit, ARPO
+    shaping.update(run.agents.after_advantages(groups.kept, groups.sampled))
     return ScoredBatch(step, groups, shaping, t_rollout)
 
 

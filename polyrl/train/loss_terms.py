@@ -1,0 +1,108 @@
+"""The learner's loss, term by term: each a pure function of one micro-batch's forward pass (``LossInputs``)
+returning its weighted loss, its logged part of the batch loss, and its metrics. The micro-batch's loss is
+their sum, in the order of ``LOSS_TERMS``: policy gradient + entropy bonus + distillation + KL + value."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from polyrl.algorithms import LOSSES, aggregate, kl_estimate
+from polyrl.algorithms.distill import reverse_kl_loss
+from polyrl.algorithms.gae import value_loss
+from polyrl.algorithms.validate import takes_behaviour
+from polyrl.config import AlgorithmConfig
+from polyrl.train.advantage_stage import TokenAdvantages
+from polyrl.train.batch import Batch
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch as its loss terms read it."""
+
+    mb: Batch
+    logp: torch.Tensor
+    """[B, T] the policy's log-probs (with gradient)."""
+    entropy: torch.Tensor
+    values: torch.Tensor | None
+    """[B, T] the critic's values (with gradient into the value head), when there is one."""
+    logits: torch.Tensor | None
+    """[B, T, V] the policy's logits, when distilling."""
+    ref_logp: torch.Tensor | None
+    """[B, T] the KL reference's log-probs, when kept."""
+    old_values: torch.Tensor | None
+    advantages: TokenAdvantages
+    teacher_logits: torch.Tensor | None
+    """[B, T, V] each row's teacher's logits; zeros on rows whose task has no teacher."""
+    teacher_rows: torch.Tensor | None
+    """[B] 1 on rows whose task has a teacher."""
+    num_tokens: float
+    """The whole batch's loss tokens (token-mean normaliser)."""
+    share: float
+    """This micro-batch's weight in the batch loss: 1 under token-mean, its fraction of the rows otherwise."""
+
+
+class Term(NamedTuple):
+    loss: torch.Tensor | None
+    """The weighted term; None when it is only measured."""
+    logged: dict[str, float]
+    """Its part of the batch loss as logged, summed over micro-batches."""
+    metrics: dict[str, float]
+    """Averaged over micro-batches."""
+
+
+def policy_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
+    """``LOSSES[algo.loss]`` (PPO-clip, GSPO, CISPO, ...) on the token advantages, weighted by ``pg_coef``."""
+    loss_fn = LOSSES[algo.loss]
+    kwargs = dict(algo.loss_kwargs)
+    if takes_behaviour(loss_fn):
+        kwargs["behaviour_logp"] = x.mb.behaviour_logp
+    adv = x.advantages
+    pg_loss, metrics = loss_fn(x.logp, adv.ratio_logp, adv.advantages, adv.pg_mask, clip_low=algo.clip_low,
+                               clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=x.num_tokens, **kwargs)
+    return Term(algo.pg_coef * pg_loss * x.share, {"loss/pg": float(pg_loss.detach()) * x.share}, metrics)
+
+
+def entropy_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
+    """The entropy bonus: -``entropy_coef`` x the aggregated token entropy (logged whatever the weight)."""
+    ent = aggregate(x.entropy, x.mb.loss_mask, algo.loss_agg, x.num_tokens) * x.share
+    return Term(-(algo.entropy_coef * ent), {"entropy": float(ent.detach())}, {})
+
+
+def distill_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
+    """Multi-teacher on-policy distillation: reverse KL to each row's task teacher, weighted by
+    ``distill_coef``; rows without a teacher count for nothing."""
+    if x.teacher_logits is None or x.logits is None or x.teacher_rows is None:
+        return Term(None, {}, {})
+    d_loss, metrics = reverse_kl_loss(x.logits, x.teacher_logits, x.mb.loss_mask * x.teacher_rows[:, None],
+                                      algo.loss_agg, x.num_tokens)
+    return Term(algo.distill_coef * d_loss * x.share, {"loss/distill": float(d_loss.detach()) * x.share}, metrics)
+
+
+def kl_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
+    """KL to the reference policy (``kl_estimator``): in the loss with ``kl_coef`` when ``kl_in: loss``,
+    else only measured (``kl_in: reward`` puts it in the token advantages instead)."""
+    if x.ref_logp is None:
+        return Term(None, {}, {})
+    kl = aggregate(kl_estimate(x.logp, x.ref_logp, algo.kl_estimator), x.mb.loss_mask, algo.loss_agg, x.num_tokens)
+    in_loss = algo.kl_coef > 0 and algo.kl_in == "loss"
+    return Term(algo.kl_coef * kl * x.share if in_loss else None, {"kl": float(kl.detach()) * x.share}, {})
+
+
+def value_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
+    """PPO's clipped value loss of the critic against GAE's returns (the head sees detached features: this
+    trains the head only)."""
+    if x.values is None or x.old_values is None or x.advantages.returns is None:
+        return Term(None, {}, {})
+    v_loss, metrics = value_loss(x.values, x.old_values, x.advantages.returns, x.mb.loss_mask, algo.value_clip,
+                                 algo.loss_agg, x.num_tokens)
+    return Term(v_loss * x.share, {"loss/value": float(v_loss.detach()) * x.share}, metrics)
+
+
+LOSS_TERMS: tuple[Callable[[AlgorithmConfig, LossInputs], Term], ...] = (
+    policy_term, entropy_term, distill_term, kl_term, value_term,
+)
+"""The loss of a micro-batch is the sum of these terms, in this order."""

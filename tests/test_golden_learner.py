@@ -1,0 +1,62 @@
+"""The numbers of the advantage stage and the learner do not drift: every scenario of ``golden_learner.py``
+(each path a token's advantage and the loss can take) gives the advantages, metrics and weight changes
+recorded in tests/data/golden_learner.json. A deliberate change of the numerics re-records that file
+(``python tests/golden_learner.py record``) and says why in its commit."""
+
+import json
+import math
+
+import pytest
+import torch
+from golden_learner import GOLDEN, SCENARIOS, run_scenario
+
+RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return json.loads(GOLDEN.read_text())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _two_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # as recorded
+    yield
+    torch.set_num_threads(threads)
+
+
+def _close(got, want, where: str) -> None:
+    """Equal structure; floats within RTOL (relative) of the recorded value, or 1e-9 of a recorded 0."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), (where, sorted(got), sorted(want))
+        for k in want:
+            _close(got[k], want[k], f"{where}/{k}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _close(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) and isinstance(got, float) and not (math.isnan(want) or math.isnan(got)):
+        assert math.isclose(got, want, rel_tol=RTOL, abs_tol=1e-9), (where, got, want)
+    else:
+        assert got == want or (got != got and want != want), (where, got, want)
+
+
+def test_every_scenario_is_recorded(golden):
+    assert sorted(golden) == sorted(SCENARIOS)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_learner_numbers_match_the_recording(golden, name):
+    got = run_scenario(name)
+    want = golden[name]
+    _close(got["updates"], want["updates"], name)
+    _close(got["delta"], want["delta"], f"{name}/delta")
+
+
+def test_the_comparison_has_teeth(golden):
+    # Another learning rate moves the weights differently; the scenarios' updates are not all zero.
+    assert sum(golden[n]["delta"]["norm"] > 0 for n in SCENARIOS) >= len(SCENARIOS) - 1
+    want = golden["grpo"]["updates"][0]["metrics"]
+    with pytest.raises(AssertionError):
+        _close({**want, "loss": want["loss"] * (1 + 10 * RTOL)}, want, "grpo")
