@@ -75,8 +75,8 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
             ("native", "endpoint")}
     for run in runs.values():  # warm-up, untimed: kernel builds, the endpoint's start, first allocations
         task = next(iter(run.tasks.values()))
-        run.agents.rollout(run.engine, [(task, 10**6, task.train_item(10**6))], run.config.rollout, seed=-1,
-                           version=0, first_id=0)
+        run.group_rollout.roll_out(run.engine, [(task, 10**6, task.train_item(10**6))], seed=-1, version=0,
+                                   first_id=0)
     tokens = {arm: 0 for arm in runs}
     seconds = {arm: 0.0 for arm in runs}
     episodes = {arm: 0 for arm in runs}
@@ -89,7 +89,7 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
             requests = [(task, 1000 * r + i, task.train_item(1000 * r + i))
                         for i in range(run.config.rollout.prompts_per_step)]
             t0 = time.perf_counter()
-            out = run.agents.rollout(run.engine, requests, run.config.rollout, seed=r, version=0, first_id=0)
+            out = run.group_rollout.roll_out(run.engine, requests, seed=r, version=0, first_id=0)
             took, made = time.perf_counter() - t0, sum(t.num_model_tokens for t in out)
             seconds[arm] += took
             tokens[arm] += made

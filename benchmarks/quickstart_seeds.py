@@ -31,7 +31,7 @@ def heldout_breakdown(model, tokenizer, n: int = 200) -> dict:
     from polyrl.config_check import load_config
     from polyrl.engines.hf import HFEngine
     from polyrl.envs.base import make_task
-    from polyrl.rollout.multi_turn import rollout
+    from polyrl.rollout.multi_turn import greedy, rollout
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml")
     task = make_task(cfg.tasks[0], 0, cfg.model.system_prompt, tokenizer)
@@ -40,7 +40,7 @@ def heldout_breakdown(model, tokenizer, n: int = 200) -> dict:
     trajectories = []
     for s in range(0, len(items), 64):
         chunk = [(task, s + i, item) for i, item in enumerate(items[s : s + 64])]
-        trajectories += rollout(engine, chunk, 1, cfg.rollout.max_new_tokens, 0.0, 1.0, seed=0, version=-1)
+        trajectories += rollout(engine, chunk, greedy(cfg.rollout.max_new_tokens), seed=0, version=-1)
     right, total = Counter(), Counter()
     for item, t in zip(items, trajectories, strict=True):
         total[category(item)] += 1

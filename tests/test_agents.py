@@ -14,7 +14,7 @@ from polyrl.algorithms.step_credit import (
     shared_prefix_advantages,
     turn_discount_advantages,
 )
-from polyrl.config import ArpoConfig, TaskConfig
+from polyrl.config import ArpoConfig, RolloutConfig, TaskConfig
 from polyrl.config_check import load_config
 from polyrl.data.replay import PromptReplay, SuccessBuffer
 from polyrl.engines.hf import Completion, HFEngine
@@ -100,7 +100,8 @@ def test_early_stop_marks_trajectories(engine):
     task = _task(engine.tokenizer)
     # A threshold below any fluctuation stops every rollout right after min_tokens.
     stopper = EarlyStopper("surprise", 1.0, -1e9, 2, terminal_reward=-0.5)
-    trajs = rollout(engine, [(task, 0, task.train_item(0))], 4, 24, 1.0, 1.0, seed=0, version=0, stopper=stopper)
+    trajs = rollout(engine, [(task, 0, task.train_item(0))], RolloutConfig(group_size=4, max_new_tokens=24), seed=0,
+                    version=0, stopper=stopper)
     for t in trajs:
         assert t.terminated_early and t.reward == -0.5 and t.num_model_tokens == 3
         assert t.info["tokens_saved"] == 24 - 3
@@ -113,7 +114,8 @@ def test_arpo_leaves_share_exact_prefixes(engine):
     items = [(task, i, task.train_item(i)) for i in range(2)]
     forced = ForcedToolCall(engine, {len(start_episode(task, i, it, 0, engine.tokenizer).ids) for _, i, it in items})
     cfg = ArpoConfig(enabled=True, global_samples=2, entropy_threshold=-1e9, branch_width=2, entropy_tokens=4)
-    trajs = arpo_rollout(forced, items, 4, 16, 1.0, 1.0, seed=3, version=7, cfg=cfg, first_group_id=10)
+    trajs = arpo_rollout(forced, items, RolloutConfig(group_size=4, max_new_tokens=16), cfg, seed=3, version=7,
+                         first_group_id=10)
     assert len(trajs) == 8 and {t.group_id for t in trajs} == {10, 11}
     for g in (10, 11):
         leaves = {t.info["branch_id"]: t for t in trajs if t.group_id == g}
@@ -255,3 +257,42 @@ def test_rl_step_with_arpo_trains_on_trees(tmp_path):
     assert metrics["arpo/branch_leaves"] == 4 and len(trajectories) == 8
     assert metrics["tool_calls/mean"] >= 1 and torch.isfinite(torch.tensor(metrics["loss"]))
     assert all(t.token_advantages is not None for t in trajectories)
+
+
+def test_group_rollout_numbers_env_and_agent_groups_in_request_order(monkeypatch):
+    """Env groups go to the rollout, agent groups to the endpoint; each keeps the id of its place in the
+    request list, and the agent episodes' metrics are summed until read."""
+    from polyrl.envs.agent import AgentTask
+    from polyrl.train import agents
+
+    def agent_run(client, item):  # never called: the endpoint's rollout is replaced below
+        raise AssertionError
+
+    env_task = make_task(TaskConfig(name="chain_sum"), seed=0)
+    agent_task = AgentTask(TaskConfig(name="agent", agent="x:run", items=[{}]), agent_run, 0, items=[{}])
+    seen = {}
+
+    def env_rollout(engine, requests, config, seed, version, first_group_id=0, stopper=None):
+        seen["env"] = [(task.name, i) for task, i, _ in requests]
+        return [Trajectory(task.name, i, first_group_id + g, [1], [1], [0.0], [0])
+                for g, (task, i, _) in enumerate(requests)]
+
+    def endpoint_rollout(engine, model_name, requests, config, seed, version):
+        return [Trajectory(task.name, i, gid, [1], [1], [0.0], [0]) for task, i, _, gid in requests], \
+            {"agent/episodes": float(len(requests) * config.group_size)}
+
+    monkeypatch.setattr(agents, "rollout", env_rollout)
+    monkeypatch.setattr(agents, "agent_rollout", endpoint_rollout)
+    cfg = load_config(SMOKE, ["rollout.group_size=2"])
+    group_rollout = agents.GroupRollout(cfg)
+    requests = [(agent_task, 0, {}), (env_task, 5, {}), (agent_task, 1, {}), (env_task, 6, {})]
+    out = group_rollout.roll_out(None, requests, seed=0, version=0, first_id=10)
+    assert seen["env"] == [("chain_sum", 5), ("chain_sum", 6)]
+    assert sorted((t.group_id, t.task, t.item_id) for t in out) == [
+        (10, "agent", 0), (11, "chain_sum", 5), (12, "agent", 1), (13, "chain_sum", 6)]
+    group_rollout.roll_out(None, requests[:1], seed=1, version=0, first_id=0)
+    assert group_rollout.take_metrics() == {"agent/episodes": 6.0}  # 2 + 1 groups of 2 episodes
+    assert group_rollout.take_metrics() == {}
+    # without agent tasks the env groups are numbered from first_id directly
+    (only,) = group_rollout.roll_out(None, requests[1:2], seed=0, version=0, first_id=7)
+    assert only.group_id == 7

@@ -142,7 +142,7 @@ def test_monitor_flags_zeroes_and_counts():
     batch = [_traj("he", hack, 1.0), _traj("he", eq, 1.0), _traj("he", honest, 1.0), _traj("he", hack, 0.0),
              _traj("other", hack, 1.0)]
     monitor = RewardMonitor({"he": "code", "other": None}, decode=lambda ids: "", zero_flagged=False)
-    monitor.after_rollout(batch)
+    monitor.flag(batch)
     assert [t.info.get("monitor_flags") for t in batch] == [["early_exit"], ["equality_override"], [],
                                                              ["early_exit"], None]
     m = monitor_metrics(batch)
@@ -154,7 +154,7 @@ def test_monitor_flags_zeroes_and_counts():
     assert set(m) == {f"monitor/{f}" for f in FLAGS} | {"monitor/flagged", "monitor/zeroed"}
 
     batch = [_traj("he", hack, 1.0), _traj("he", honest, 1.0), _traj("he", hack, 0.0)]
-    RewardMonitor({"he": "code"}, decode=lambda ids: "", zero_flagged=True).after_rollout(batch)
+    RewardMonitor({"he": "code"}, decode=lambda ids: "", zero_flagged=True).flag(batch)
     assert [t.reward for t in batch] == [0.0, 1.0, 0.0]
     assert batch[0].info["monitor_zeroed"] == 1.0 and "monitor_zeroed" not in batch[2].info
     m = monitor_metrics(batch)  # the zeroed sample still counts as rewarded: the share says what was tried
@@ -164,7 +164,7 @@ def test_monitor_flags_zeroes_and_counts():
 def test_numbers_monitor_reads_the_prompt_tokens():
     prompt_text = {(1, 2): PROMPT}
     batch = [_traj("sum", "12 7 3 5 1 12 7 3 5 1 28", 1.0), _traj("sum", "28", 1.0)]
-    RewardMonitor({"sum": "numbers"}, decode=lambda ids: prompt_text[tuple(ids)]).after_rollout(batch)
+    RewardMonitor({"sum": "numbers"}, decode=lambda ids: prompt_text[tuple(ids)]).flag(batch)
     assert [t.info["monitor_flags"] for t in batch] == [["number_listing"], []]
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import ROOT
 
-from polyrl.config import TaskConfig
+from polyrl.config import RolloutConfig, TaskConfig
 from polyrl.config_check import load_config
 from polyrl.engines.hf import Completion, HFEngine
 from polyrl.envs import ENVS, make_task
@@ -115,7 +115,7 @@ def test_trajectories_are_the_rendered_conversation_token_for_token(tok, templat
     assert isinstance(parser, HermesParser if template == "qwen2.5" else SmolLM2Parser)
     engine = ScriptedEngine(tok, calculator_script(parser))
     requests = [(task, i, task.train_item(i)) for i in range(2)]
-    episodes = play(engine, requests, 3, 64, 1.0, 1.0, seed=0, version=7)
+    episodes = play(engine, requests, RolloutConfig(group_size=3, max_new_tokens=64), seed=0, version=7)
     assert len(episodes) == 6
     for e in episodes:
         traj, env_positions = _check_faithful(e, engine, tok)
@@ -152,7 +152,8 @@ def test_templates_that_rewrite_replies_fall_back_to_the_wrapper(tok):
     # trailing whitespace, which the template trims when it re-renders the reply
     call = parser.format_calls([ToolCall("calculate", {"expression": "1 + 1"})]) + "  \n"
     engine = ScriptedEngine(trimming, lambda prompt, j: "The answer is 2" if "tool\n2" in prompt else call)
-    (e,) = play(engine, [(task, 0, task.train_item(0))], 1, 64, 1.0, 1.0, seed=0, version=7)
+    (e,) = play(engine, [(task, 0, task.train_item(0))], RolloutConfig(group_size=1, max_new_tokens=64), seed=0,
+                version=7)
     traj = to_trajectory(e, trimming)
     (a, b), (c, d) = traj.turn_spans
     assert traj.input_ids[a:b] == engine.reply_ids(call)  # the model's tokens, trailing spaces included
@@ -164,17 +165,19 @@ def test_turn_limit_and_token_budget_truncate(tok):
         tok, lambda prompt, j: SmolLM2Parser().format_calls([ToolCall("calculate", {"expression": "2 * 21"})])
     )
     task = make_task(TOOL_MATH.model_copy(update={"max_turns": 4}), seed=0)
-    (traj,) = rollout(looping, [(task, 0, task.train_item(0))], 1, 64, 1.0, 1.0, seed=0, version=0)
+    one_sample = RolloutConfig(group_size=1, max_new_tokens=64)
+    (traj,) = rollout(looping, [(task, 0, task.train_item(0))], one_sample, seed=0, version=0)
     assert traj.info["turns"] == 4 and traj.truncated and traj.info["score"] == 0.0
     assert traj.info["tool_calls"] == traj.info["valid_tool_calls"] == 4
 
     budget = make_task(TOOL_MATH.model_copy(update={"max_turns": 10, "max_tokens": 120}), seed=0)
-    (traj,) = rollout(looping, [(budget, 0, budget.train_item(0))], 1, 64, 1.0, 1.0, seed=0, version=0)
+    (traj,) = rollout(looping, [(budget, 0, budget.train_item(0))], one_sample, seed=0, version=0)
     assert traj.truncated and len(traj.input_ids) - traj.prompt_len <= 120
     assert traj.info["turns"] < 10
 
     wordy = ScriptedEngine(tok, lambda prompt, j: "word " * 100)
-    (traj,) = rollout(wordy, [(task, 0, task.train_item(0))], 1, 16, 1.0, 1.0, seed=0, version=0)
+    (traj,) = rollout(wordy, [(task, 0, task.train_item(0))], one_sample.model_copy(update={"max_new_tokens": 16}),
+                      seed=0, version=0)
     # cut at the per-turn limit: the cut reply is still the final answer, scored and flagged as truncated
     assert traj.num_model_tokens == 16 and traj.truncated and traj.info["turns"] == 1
 
@@ -198,7 +201,8 @@ def test_random_model_multi_turn_is_token_faithful(tiny_engine, tok):
 
     tiny_engine.generate = recording
     try:
-        episodes = play(tiny_engine, [(task, 0, task.train_item(0))], 2, 12, 1.0, 1.0, seed=3, version=5)
+        episodes = play(tiny_engine, [(task, 0, task.train_item(0))], RolloutConfig(group_size=2, max_new_tokens=12),
+                        seed=3, version=5)
     finally:
         del tiny_engine.generate
     drift = 0
@@ -341,5 +345,5 @@ def test_the_documented_example_env_runs(tok):
         return "It is " + re.findall(r"<\|im_start\|>tool\n([\d.]+)", prompt)[-1]
 
     engine = ScriptedEngine(tok, script)
-    (traj,) = rollout(engine, [(task, 0, item)], 1, 64, 1.0, 1.0, seed=0, version=0)
+    (traj,) = rollout(engine, [(task, 0, item)], RolloutConfig(group_size=1, max_new_tokens=64), seed=0, version=0)
     assert traj.reward == 1.0 and traj.info["turns"] == 2 and traj.info["valid_tool_calls"] == 1

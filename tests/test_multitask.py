@@ -99,7 +99,7 @@ def test_cross_policy_run_records_behaviour_and_weights(tmp_path):
     run = build_run(cfg, tmp_path)
     # tiny-random loads with the run seed: give the other policy different weights so ratios differ from 1
     with torch.no_grad():
-        for p in run.multitask.cross_engine.model.parameters():
+        for p in run.cross_policy.engine.model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     metrics, kept = rl_step(run, 1)
     cross = [t for t in kept if t.info.get("cross_policy")]
@@ -120,7 +120,7 @@ def test_cross_policy_rejects_another_vocabulary(tmp_path, monkeypatch):
         def get_vocab(self):
             return {"a": 0}
 
-    monkeypatch.setattr("polyrl.models.loading.load_tokenizer", lambda name: Other())
+    monkeypatch.setattr(multitask, "load_tokenizer", lambda name: Other())
     with pytest.raises(ValueError, match="rollout.cross_policy.model: .* different vocabulary"):
         multitask.load_cross_engine(cfg, type("Tok", (), {"get_vocab": lambda self: {"b": 0}})())
 

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from polyrl.config import RolloutConfig
 from polyrl.config_check import load_config
 from polyrl.train.loop import train
 from polyrl.train.step import build_run
@@ -81,8 +82,8 @@ def test_a_partial_rollout_spans_versions_with_each_tokens_own_logprob(tmp_path)
         return version
 
     task = run.tasks["chain_sum"]
-    trajectories = rollout(PartialEngine(engine, 2, refresh), [(task, 0, task.train_item(0))], 2, 6, 1.0, 1.0,
-                           seed=3, version=0)
+    trajectories = rollout(PartialEngine(engine, 2, refresh), [(task, 0, task.train_item(0))],
+                           RolloutConfig(group_size=2, max_new_tokens=6), seed=3, version=0)
     spans = [sorted({v for v, m in zip(t.versions, t.loss_mask, strict=True) if m}) for t in trajectories]
     assert any(len(s) > 1 for s in spans), spans  # a continued response carries several versions
     for t in trajectories:

@@ -6,7 +6,7 @@ import time
 import pytest
 from test_multi_turn import TOOL_MATH, ScriptedEngine, calculator_script
 
-from polyrl.config import TaskConfig
+from polyrl.config import RolloutConfig, TaskConfig
 from polyrl.config_check import load_config
 from polyrl.envs import make_task
 from polyrl.envs.tool_env import ToolEnv
@@ -62,7 +62,7 @@ def _mixed_play(tok, latency: float, samples: int):
     engine = ScriptedEngine(tok, calculator_script(tool_task.make_env().tool_parser))
     requests = [(tool_task, 0, tool_task.train_item(0)), (single, 1, single.train_item(1)),
                 (tool_task, 2, tool_task.train_item(2))]
-    return play(engine, requests, samples, 64, 1.0, 1.0, seed=0, version=7)
+    return play(engine, requests, RolloutConfig(group_size=samples, max_new_tokens=64), seed=0, version=7)
 
 
 def test_concurrent_steps_give_the_sequential_trajectories(tok, monkeypatch):
@@ -83,11 +83,11 @@ def test_a_turn_with_k_calls_waits_about_one_latency(tok, monkeypatch):
     # Sample 0 answers at once, the other ``calls`` samples each call the calculator in the first turn.
     request = [(tool_task, 0, tool_task.train_item(0))]
     t0 = time.monotonic()
-    episodes = play(engine, request, calls + 1, 64, 1.0, 1.0, seed=0, version=7)
+    episodes = play(engine, request, RolloutConfig(group_size=calls + 1, max_new_tokens=64), seed=0, version=7)
     elapsed = time.monotonic() - t0
     assert sum(e.valid_tool_calls for e in episodes) == calls
     assert latency <= elapsed < 4 * latency  # sequential would be calls x latency = 2.4 s
     monkeypatch.setattr(multi_turn, "MAX_ENV_THREADS", 2)  # the pool bounds how many wait at once
     t0 = time.monotonic()
-    play(engine, request, calls + 1, 64, 1.0, 1.0, seed=0, version=7)
+    play(engine, request, RolloutConfig(group_size=calls + 1, max_new_tokens=64), seed=0, version=7)
     assert time.monotonic() - t0 >= calls / 2 * latency

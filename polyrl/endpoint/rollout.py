@@ -23,6 +23,7 @@ from typing import Any
 
 import openai
 
+from polyrl.config import RolloutConfig
 from polyrl.endpoint.capture import EpisodeCapture, to_trajectories
 from polyrl.endpoint.server import Endpoint, EndpointServer, Sampling
 from polyrl.envs.agent import AgentTask
@@ -160,14 +161,17 @@ def _outcome(task: AgentTask, item_id: int, item: dict[str, Any], group_id: int,
 
 
 def agent_rollout(
-    engine: Any, model_name: str, requests: list[tuple[AgentTask, int, dict[str, Any], int]], group_size: int,
-    max_new_tokens: int, temperature: float, top_p: float, seed: int, version: int,
+    engine: Any, model_name: str, requests: list[tuple[AgentTask, int, dict[str, Any], int]],
+    config: RolloutConfig, seed: int, version: int,
 ) -> tuple[list[Trajectory], dict[str, float]]:
-    """``group_size`` episodes per (task, item_id, item, group_id) request; the trajectories of the kept
-    episodes and the step's metrics: drops by kind, calls merged into and split from trajectories."""
+    """``config.group_size`` episodes per (task, item_id, item, group_id) request, sampled as ``config`` says;
+    the trajectories of the kept episodes and the step's metrics: drops by kind, calls merged into and split
+    from trajectories."""
     server = shared_server(engine, model_name)
-    episodes = [(task, item_id, item, gid) for task, item_id, item, gid in requests for _ in range(group_size)]
-    outcomes = run_episodes(server, episodes, Sampling(temperature, top_p, max_new_tokens), seed, version)
+    episodes = [(task, item_id, item, gid) for task, item_id, item, gid in requests
+                for _ in range(config.group_size)]
+    sampling = Sampling(config.temperature, config.top_p, config.max_new_tokens)
+    outcomes = run_episodes(server, episodes, sampling, seed, version)
     trajectories = [t for o in outcomes for t in o.trajectories]
     return trajectories, capture_metrics(outcomes)
 

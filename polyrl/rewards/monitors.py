@@ -257,7 +257,7 @@ class RewardMonitor:
     def active(self) -> bool:
         return bool(self.kinds)
 
-    def after_rollout(self, trajectories: Iterable[Any]) -> None:
+    def flag(self, trajectories: Iterable[Any]) -> None:
         for t in trajectories:
             kind = self.kinds.get(t.task)
             if kind is None:

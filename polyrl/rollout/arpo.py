@@ -20,7 +20,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from polyrl.config import ArpoConfig
+from polyrl.config import ArpoConfig, RolloutConfig
 from polyrl.engines.hf import Completion, HFEngine
 from polyrl.envs.base import Task
 from polyrl.rollout.early_stop import EarlyStopper
@@ -66,18 +66,18 @@ def should_branch(initial: float | None, entropy: float, threshold: float) -> bo
 def arpo_rollout(
     engine: HFEngine,
     requests: list[tuple[Task, int, dict[str, Any]]],
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
+    config: RolloutConfig,
+    cfg: ArpoConfig,
     seed: int,
     version: int,
-    cfg: ArpoConfig,
     first_group_id: int = 0,
     stopper: EarlyStopper | None = None,
 ) -> list[Trajectory]:
-    """Roll out one branching tree of ``group_size`` leaves per request; returns the leaves, group by group."""
+    """Roll out one branching tree of ``config.group_size`` leaves per request, sampled as ``config`` says;
+    returns the leaves, group by group."""
     tok = engine.tokenizer
+    group_size, max_new_tokens = config.group_size, config.max_new_tokens
+    temperature, top_p = config.temperature, config.top_p
     m = cfg.global_samples or max(1, group_size // 2)
     trees: list[list[Leaf]] = []
     for g, (task, item_id, item) in enumerate(requests):

@@ -17,6 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from polyrl.config import RolloutConfig
 from polyrl.engines.hf import Completion, HFEngine
 from polyrl.envs.base import Env, Message, StepResult, Task
 from polyrl.parallel.group import contiguous_shards
@@ -260,36 +261,35 @@ def to_trajectory(e: Episode, tokenizer: PreTrainedTokenizerBase) -> Trajectory:
     )
 
 
+def greedy(max_new_tokens: int) -> RolloutConfig:
+    """The sampling of evaluation: one greedy episode per item. Temperature 0 is outside what a training config
+    accepts (it must be > 0), so this config is built without validation."""
+    return RolloutConfig.model_construct(group_size=1, max_new_tokens=max_new_tokens, temperature=0.0, top_p=1.0)
+
+
 def rollout(
     engine: HFEngine,
     requests: list[tuple[Task, int, dict[str, Any]]],
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
+    config: RolloutConfig,
     seed: int,
     version: int,
     first_group_id: int = 0,
     stopper: EarlyStopper | None = None,
 ) -> list[Trajectory]:
-    """Play ``group_size`` episodes per (task, item_id, item) request; ``max_new_tokens`` is per model turn.
+    """Play ``config.group_size`` episodes per (task, item_id, item) request, sampled at ``config``'s
+    temperature and top-p; ``config.max_new_tokens`` is per model turn.
 
     Turn limits and token budgets come from each task (``tasks[].max_turns`` / ``max_tokens``, or the env's
     default), so tasks of different kinds can share one batch.
     """
-    episodes = play(
-        engine, requests, group_size, max_new_tokens, temperature, top_p, seed, version, first_group_id, stopper
-    )
+    episodes = play(engine, requests, config, seed, version, first_group_id, stopper)
     return [to_trajectory(e, engine.tokenizer) for e in episodes]
 
 
 def play(
     engine: HFEngine,
     requests: list[tuple[Task, int, dict[str, Any]]],
-    group_size: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_p: float,
+    config: RolloutConfig,
     seed: int,
     version: int,
     first_group_id: int = 0,
@@ -300,6 +300,8 @@ def play(
     With a ``stopper``, a turn whose uncertainty spikes ends its episode early (``polyrl.rollout.early_stop``).
     """
     tok = engine.tokenizer
+    group_size, max_new_tokens = config.group_size, config.max_new_tokens
+    temperature, top_p = config.temperature, config.top_p
     episodes: list[Episode] = []
     for g, (task, item_id, item) in enumerate(requests):
         group = [start_episode(task, item_id, item, first_group_id + g, tok) for _ in range(group_size)]
@@ -340,7 +342,7 @@ def evaluate(
     trajectories: list[Trajectory] = []
     for start in range(lo, hi, batch_size):
         chunk = [(task, start + i, item) for i, item in enumerate(items[start : min(start + batch_size, hi)])]
-        trajectories += rollout(engine, chunk, 1, max_new_tokens, 0.0, 1.0, seed=0, version=-1)
+        trajectories += rollout(engine, chunk, greedy(max_new_tokens), seed=0, version=-1)
     scores = [t.info["score"] for t in trajectories]
     count = max(len(scores), 1)
     return {

@@ -27,14 +27,16 @@ def producer_state(run: Any) -> dict[str, Any]:
     sampler's draws, the replay buffers (``agents``) and the curriculum (``multitask``). A producer that runs
     ahead of the learner sends it with each batch, so that a checkpoint keeps the state after the batch it
     trained on, not after those drawn since."""
-    return copy.deepcopy({"sampler": run.sampler.state_dict(), "agents": run.agents.state_dict(),
-                          "multitask": run.multitask.state_dict()})
+    curriculum = {"curriculum": run.curriculum.state_dict()} if run.curriculum is not None else {}
+    return copy.deepcopy({"sampler": run.sampler.state_dict(), "agents": run.replay.state_dict(),
+                          "multitask": curriculum})
 
 
 def load_producer_state(run: Any, state: dict[str, Any]) -> None:
     run.sampler.load_state_dict(state["sampler"])
-    run.agents.load_state_dict(state.get("agents", {}))
-    run.multitask.load_state_dict(state.get("multitask", {}))
+    run.replay.load_state_dict(state.get("agents", {}))
+    if run.curriculum is not None and "curriculum" in state.get("multitask", {}):
+        run.curriculum.load_state_dict(state["multitask"]["curriculum"])
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -56,9 +56,6 @@ def detach(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class Learner:
-    replay_is_cap: float = 1.0
-    """Truncation of replayed samples' importance weights (``agents.replay.is_cap``)."""
-
     def __init__(
         self,
         model: PreTrainedModel,
@@ -71,6 +68,7 @@ class Learner:
         teachers: dict[str, PreTrainedModel] | None = None,
         is_cap: float = 2.0,
         sharding: LearnerConfig | None = None,
+        replay_is_cap: float = 1.0,
     ) -> None:
         """``total_steps`` is the run's length, over which a decaying learning-rate schedule reaches 0;
         ``teachers`` maps a task name to its frozen distillation teacher (``algo.distill_coef`` weighs it).
@@ -79,6 +77,7 @@ class Learner:
         self.model = model
         self.teachers = teachers or {}
         self.is_cap = is_cap  # truncated IS cap for rows sampled by another policy (info["cross_policy"])
+        self.replay_is_cap = replay_is_cap  # truncation of replayed samples' importance weights (agents.replay)
         self.algo = algo
         self.optim_cfg = optim
         self.temperature = temperature

@@ -1,24 +1,57 @@
-"""The multi-task features as the loop sees them: curricula (task phases, difficulty levels, adaptive
-mixture), weighted reward components (env + LLM-as-judge) and cross-policy sampling. Each is off by default;
-with all off every hook is a no-op. Task-advantage normalisation is part of ``assign_advantages``."""
+"""The multi-task features of a step beyond the task mixture: the curriculum's mixture, levels and
+observations (``data/curriculum.py``) and cross-policy sampling (``CrossPolicy``). Weighted reward components
+are ``rewards/mix.py``'s ``RewardMixer``; task-advantage normalisation is part of ``assign_advantages``."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from polyrl.config import Config, TaskConfig
 from polyrl.data.curriculum import Curriculum
 from polyrl.data.sampler import TaskSampler
+from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import Task, make_task
-from polyrl.rewards.mix import RewardMixer
+from polyrl.models.device import resolve_device
+from polyrl.models.loading import load_model, load_tokenizer
+from polyrl.train.agents import GroupRollout, Requests
 from polyrl.types import Trajectory
 
-Requests = list[tuple[Task, int, dict[str, Any]]]
-RolloutOn = Callable[[Any, Requests, int, int, int], list[Trajectory]]
-"""``rollout_on(engine, requests, seed, version, first_group_id)``."""
-
 CROSS_SEED_OFFSET = 500_009  # the other policy's samples draw from their own seeds
+
+
+def build_curriculum(config: Config, tokenizer: Any) -> Curriculum | None:
+    """``config.curriculum``'s state, every level's task built up front; None when off."""
+    if not config.curriculum:
+        return None
+    seed, system = config.train.seed, config.model.system_prompt
+
+    def build(task_config: TaskConfig) -> Task:
+        return make_task(task_config, seed, system, tokenizer)
+
+    return Curriculum(config.curriculum, config.tasks, build)
+
+
+def set_mixture(curriculum: Curriculum | None, sampler: TaskSampler, step: int) -> None:
+    """Before a draw: the curriculum's task mixture for ``step`` (its phase, or the adaptive mixture)."""
+    if curriculum is not None:
+        weights = curriculum.weights(step)
+        sampler.weights = [weights[n] for n in sampler.names]
+
+
+def level_task(curriculum: Curriculum | None, name: str, base: Task) -> Task:
+    """The task ``name`` trains on now: its current difficulty level, ``base`` without a curriculum."""
+    return base if curriculum is None else curriculum.task(name, base)
+
+
+def observe_curriculum(curriculum: Curriculum | None, step: int, sampled: list[Trajectory]) -> dict[str, float]:
+    """After a step's samples are scored: the curriculum learns from them (levels, pass rates, progress) and
+    reports the mixture the step drew from."""
+    if curriculum is None:
+        return {}
+    weights = curriculum.weights(step)  # what ``set_mixture`` set: observing moves the adaptive mixture on
+    metrics = curriculum.observe(step, sampled)
+    metrics.update({f"curriculum/weight/{n}": w / (sum(weights.values()) or 1) for n, w in weights.items()})
+    return metrics
 
 
 def cross_policy_split(n_groups: int, share: float) -> int:
@@ -28,12 +61,8 @@ def cross_policy_split(n_groups: int, share: float) -> int:
     return min(k, n_groups - 1) if n_groups > 1 else k
 
 
-def load_cross_engine(config: Config, tokenizer: Any) -> Any:
+def load_cross_engine(config: Config, tokenizer: Any) -> HFEngine:
     """An engine sampling from ``rollout.cross_policy.model``; its vocabulary must be the policy's."""
-    from polyrl.engines.hf import HFEngine
-    from polyrl.models.device import resolve_device
-    from polyrl.models.loading import load_model, load_tokenizer
-
     name = config.rollout.cross_policy.model
     other_tok = load_tokenizer(name)
     if other_tok.get_vocab() != tokenizer.get_vocab():
@@ -44,63 +73,27 @@ def load_cross_engine(config: Config, tokenizer: Any) -> Any:
     return HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=False)
 
 
-class MultiTask:
-    def __init__(self, config: Config, tasks: dict[str, Task], tokenizer: Any) -> None:
-        self.config = config
-        seed, system = config.train.seed, config.model.system_prompt
+class CrossPolicy:
+    """``rollout.cross_policy``: the last ``share`` of each round's groups sampled by another policy's engine
+    and flagged (``info["cross_policy"]``) for the learner's truncated importance weights."""
 
-        def build(task_config: TaskConfig) -> Task:
-            return make_task(task_config, seed, system, tokenizer)
+    def __init__(self, config: Config, tokenizer: Any) -> None:
+        self.share = config.rollout.cross_policy.share
+        self.engine = load_cross_engine(config, tokenizer)
 
-        self.curriculum = Curriculum(config.curriculum, config.tasks, build) if config.curriculum else None
-        self.mixer = RewardMixer(tasks, tokenizer, config.model.name, seed, device=config.train.device)
-        cp = config.rollout.cross_policy
-        self.cross_engine = load_cross_engine(config, tokenizer) if cp is not None and cp.share > 0 else None
-        self.weights: dict[str, float] = {}
+    def split(self, requests: Requests) -> tuple[Requests, Requests]:
+        """The round's requests for the learner's policy and for the other one."""
+        k = cross_policy_split(len(requests), self.share)
+        return requests[: len(requests) - k], requests[len(requests) - k :]
 
-    # 1. the mixture and the training task (its current difficulty level) for a step's draws
-    def before_draw(self, sampler: TaskSampler, step: int) -> None:
-        if self.curriculum is not None:
-            self.weights = self.curriculum.weights(step)
-            sampler.weights = [self.weights[n] for n in sampler.names]
-
-    def task(self, name: str, base: Task) -> Task:
-        return base if self.curriculum is None else self.curriculum.task(name, base)
-
-    # 2. rollouts: a share of the groups from the other policy, flagged for truncated IS in the learner
-    def rollout(
-        self, rollout_fn: Callable[[Requests, int, int, int], list[Trajectory]], rollout_on: RolloutOn,
-        requests: Requests, seed: int, version: int, first_id: int,
-    ) -> list[Trajectory]:
-        if self.cross_engine is None:
-            return rollout_fn(requests, seed, version, first_id)
-        k = cross_policy_split(len(requests), self.config.rollout.cross_policy.share)
-        own = rollout_fn(requests[: len(requests) - k], seed, version, first_id) if len(requests) > k else []
-        other = rollout_on(self.cross_engine, requests[len(requests) - k :], seed + CROSS_SEED_OFFSET, version,
-                           first_id + len(requests) - k) if k else []
-        for t in other:
+    def roll_out(self, group_rollout: GroupRollout, requests: Requests, seed: int, version: int,
+                 first_id: int) -> list[Trajectory]:
+        trajectories = group_rollout.roll_out(self.engine, requests, seed + CROSS_SEED_OFFSET, version, first_id)
+        for t in trajectories:
             t.info["cross_policy"] = True
-        return own + other
+        return trajectories
 
-    # 3. after scoring: weighted reward components
-    def after_rollout(self, trajectories: list[Trajectory], requests: Requests, first_id: int) -> None:
-        if self.mixer.active:
-            self.mixer.apply(trajectories, {first_id + g: item for g, (_, _, item) in enumerate(requests)})
-
-    # 4. after the step's samples are scored: the curriculum learns from them
-    def observe(self, step: int, sampled: list[Trajectory]) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        if self.curriculum is not None:
-            metrics.update(self.curriculum.observe(step, sampled))
-            metrics.update({f"curriculum/weight/{n}": w / (sum(self.weights.values()) or 1)
-                            for n, w in self.weights.items()})
-        if self.cross_engine is not None and sampled:
-            metrics["cross_policy/frac"] = sum(bool(t.info.get("cross_policy")) for t in sampled) / len(sampled)
-        return metrics
-
-    def state_dict(self) -> dict:
-        return {"curriculum": self.curriculum.state_dict()} if self.curriculum is not None else {}
-
-    def load_state_dict(self, state: dict) -> None:
-        if self.curriculum is not None and "curriculum" in state:
-            self.curriculum.load_state_dict(state["curriculum"])
+    def metrics(self, sampled: list[Trajectory]) -> dict[str, float]:
+        if not sampled:
+            return {}
+        return {"cross_policy/frac": sum(bool(t.info.get("cross_policy")) for t in sampled) / len(sampled)}

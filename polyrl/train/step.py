@@ -9,6 +9,7 @@ import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from polyrl.algorithms.reward_shaping import shape_rewards
 from polyrl.config import Config
+from polyrl.data.curriculum import Curriculum
 from polyrl.data.dynamic_sampling import Sampled, dynamic_sample
 from polyrl.data.sampler import TaskSampler
 from polyrl.endpoint.rollout import evaluate_agent
@@ -28,15 +30,16 @@ from polyrl.models.device import resolve_device
 from polyrl.models.loading import holds_bf16_weights, load_model, load_tokenizer
 from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import SHARD_SEED_STRIDE, all_gather_objects, contiguous_shards, current
+from polyrl.rewards.mix import RewardMixer
 from polyrl.rewards.monitors import RewardMonitor, monitor_kind, monitor_metrics
 from polyrl.rollout.multi_turn import evaluate, rollout_metrics
 from polyrl.rollout.policy_chat import EnginePolicy
 from polyrl.train import faults
 from polyrl.train.advantage_stage import assign_advantages
-from polyrl.train.agents import AgentFeatures
+from polyrl.train.agents import GroupRollout, Replay, Requests, add_metrics, episode_metrics
 from polyrl.train.glibc_malloc import keep_freed_memory
 from polyrl.train.learner import Learner
-from polyrl.train.multitask import MultiTask
+from polyrl.train.multitask import CrossPolicy, build_curriculum, level_task, observe_curriculum, set_mixture
 from polyrl.train.teachers import load_teachers
 from polyrl.types import Trajectory
 
@@ -47,7 +50,8 @@ class NonFiniteError(RuntimeError):
 
 @dataclass
 class Run:
-    """Everything one training run holds; built once by ``build_run``."""
+    """Everything one training run holds; built once by ``build_run``. The producing half's features are one
+    object each, off as None (or as a no-op) by default."""
 
     config: Config
     run_dir: Path
@@ -61,8 +65,16 @@ class Run:
     engine: HFEngine
     learner: Learner
     sampler: TaskSampler
-    agents: AgentFeatures
-    multitask: MultiTask | None = None
+    group_rollout: GroupRollout
+    """How a group is played: env tasks (ARPO trees, early stop), agent tasks through the endpoint."""
+    replay: Replay
+    """Success and prompt replay (``agents.replay``); checkpointed."""
+    reward_mixer: RewardMixer
+    """Weighted reward components (``tasks[].reward_components``)."""
+    curriculum: Curriculum | None = None
+    """Task phases, difficulty levels, adaptive mixture (``curriculum``); checkpointed."""
+    cross_policy: CrossPolicy | None = None
+    """Another policy's engine for a share of the groups (``rollout.cross_policy``)."""
     monitor: RewardMonitor | None = None
     """Reward-hacking monitors (``monitors``), when on and some task has checks."""
 
@@ -82,7 +94,8 @@ def load_policy(config: Config) -> tuple[Any, Any]:
 
 
 def build_run(config: Config, run_dir: Path) -> Run:
-    """Load the model and tokenizer, build the tasks, the engine, the learner and the sampler of ``config``."""
+    """Load the model and tokenizer, build the tasks, the engine, the learner, the sampler and the features of
+    ``config``."""
     tokenizer, model = load_policy(config)
     # Each rank samples its share of a step's groups with the whole weights (copied before sharding).
     engine_model = copy.deepcopy(model) if current().distributed else model
@@ -92,21 +105,27 @@ def build_run(config: Config, run_dir: Path) -> Run:
     tasks = {
         t.name: make_task(t, config.train.seed, config.model.system_prompt, tokenizer, policy) for t in config.tasks
     }
+    cross = config.rollout.cross_policy
     learner = Learner(
         model, config.algorithm, config.optim, config.rollout.temperature, config.model.bf16, engine.pad_id,
         total_steps=config.train.steps, teachers=load_teachers(config, engine_model), sharding=config.learner,
+        replay_is_cap=config.agents.replay.is_cap, **({"is_cap": cross.is_cap} if cross is not None else {}),
     )
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=config.train.seed)
-    learner.replay_is_cap = config.agents.replay.is_cap
-    if config.rollout.cross_policy is not None:
-        learner.is_cap = config.rollout.cross_policy.is_cap
     monitor = RewardMonitor({t.name: monitor_kind(env_name(t), t.answer) for t in config.tasks}, tokenizer.decode,
                             config.monitors.zero_flagged, config.monitors.many_numbers)
-    return Run(config, run_dir, model, engine_model, tokenizer, tasks, engine, learner, sampler, AgentFeatures(config),
-               MultiTask(config, tasks, tokenizer), monitor if config.monitors.enabled and monitor.active else None)
+    return Run(
+        config, run_dir, model, engine_model, tokenizer, tasks, engine, learner, sampler,
+        group_rollout=GroupRollout(config),
+        replay=Replay(config.agents.replay, config.train.seed),
+        curriculum=build_curriculum(config, tokenizer),
+        reward_mixer=RewardMixer(tasks, tokenizer, config.model.name, config.train.seed, device=config.train.device),
+        cross_policy=CrossPolicy(config, tokenizer) if cross is not None and cross.share > 0 else None,
+        monitor=monitor if config.monitors.enabled and monitor.active else None,
+    )
 
 
-RolloutFn = Callable[[list[tuple[Task, int, dict[str, Any]]], int, int, int], list[Trajectory]]
+RolloutFn = Callable[[Requests, int, int, int], list[Trajectory]]
 """``rollout_fn(requests, seed, version, first_group_id)`` rolls out and scores one group per request."""
 
 
@@ -134,14 +153,14 @@ def local_rollout(run: Run) -> RolloutFn:
     """Roll out on this process's engine; under several learner ranks, each rank rolls out a contiguous share
     of the groups (shard k from seed + k * stride, as Ray workers do) and all ranks receive all of them, so
     every rank goes on with the same batch."""
-    r, ranks = run.config.rollout, current()
+    ranks = current()
 
-    def rollout_fn(requests, seed: int, version: int, first_id: int) -> list[Trajectory]:
+    def rollout_fn(requests: Requests, seed: int, version: int, first_id: int) -> list[Trajectory]:
         if not ranks.distributed:
-            return run.agents.rollout(run.engine, requests, r, seed, version, first_id)
+            return run.group_rollout.roll_out(run.engine, requests, seed, version, first_id)
         lo, hi = contiguous_shards(len(requests), ranks.world_size)[ranks.rank]
-        mine = run.agents.rollout(run.engine, requests[lo:hi], r, seed + ranks.rank * SHARD_SEED_STRIDE, version,
-                                  first_id + lo) if hi > lo else []
+        mine = run.group_rollout.roll_out(run.engine, requests[lo:hi], seed + ranks.rank * SHARD_SEED_STRIDE,
+                                          version, first_id + lo) if hi > lo else []
         return [t for part in all_gather_objects(mine) for t in part]
 
     return rollout_fn
@@ -153,35 +172,50 @@ def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: R
     cfg, algo, t0 = run.config, run.config.algorithm, time.perf_counter()
     version = step - 1 if version is None else version
     rollout_fn = rollout_fn or local_rollout(run)
-
-    mt = run.multitask
-
-    def sample_round(round_index: int, n_prompts: int, first_id: int) -> list[Trajectory]:
-        mt.before_draw(run.sampler, step)  # curriculum: phase / adaptive mixture
-        draws = run.agents.draw(run.sampler, step, n_prompts, round_index)
-        tasks = [mt.task(d.task, run.tasks[d.task]) for d in draws]  # curriculum: difficulty level
-        requests = [(task, d.index, task.train_item(d.index)) for task, d in zip(tasks, draws, strict=True)]
-        # Round 0 keeps the step's seed; extra dynamic-sampling rounds need fresh samples, so fresh seeds.
-        seed = cfg.train.seed * 1_000_003 + step + round_index * 1_000_000_007
-        # rollout.cross_policy: a share of the groups sampled by another policy's engine
-        trajectories = mt.rollout(rollout_fn, lambda eng, reqs, *a: run.agents.rollout(eng, reqs, cfg.rollout, *a),
-                                  requests, seed, version, first_id)
-        mt.after_rollout(trajectories, requests, first_id)  # weighted reward components (env, judge)
-        if run.monitor is not None:  # reward-hacking flags; zeroes flagged rewards if asked, before replay sees them
-            run.monitor.after_rollout(trajectories)
-        run.agents.after_rollout(trajectories, step)  # success replay mixes into all-fail groups here
-        return trajectories
-
-    # DAPO dynamic sampling swaps zero-variance groups for new ones
+    round_metrics: dict[str, float] = {}  # agent-episode and replay counts, summed over the sampling rounds
+    sample_round = partial(sample_and_score, run, step, version, rollout_fn, round_metrics)
+    # DAPO dynamic sampling: more rounds replace zero-variance groups (one round when off)
     groups = dynamic_sample(sample_round, cfg.rollout.prompts_per_step, algo.dynamic_sampling, algo.max_extra_rounds)
     t_rollout = time.perf_counter() - t0
-    shaping = shape_rewards(groups.sampled, algo, cfg.rollout.max_new_tokens)
-    shaping.update(mt.observe(step, groups.sampled))  # curriculum levels, pass rates, mixture
+    metrics = shape_rewards(groups.sampled, algo, cfg.rollout.max_new_tokens)
+    metrics.update(observe_curriculum(run.curriculum, step, groups.sampled))  # levels, pass rates, mixture
+    if run.cross_policy is not None:
+        metrics.update(run.cross_policy.metrics(groups.sampled))
     if run.monitor is not None:
-        shaping.update(monitor_metrics(groups.sampled))
-    shaping.update(assign_advantages(groups.kept, algo, cfg.agents))  # estimator, task norm, step credit, ARPO
-    shaping.update(run.agents.after_advantages(groups.kept, groups.sampled))
-    return ScoredBatch(step, groups, shaping, t_rollout)
+        metrics.update(monitor_metrics(groups.sampled))
+    metrics.update(assign_advantages(groups.kept, algo, cfg.agents))  # estimator, task norm, step credit, ARPO
+    metrics.update(episode_metrics(groups.sampled, cfg.agents))
+    metrics.update(round_metrics)
+    return ScoredBatch(step, groups, metrics, t_rollout)
+
+
+def sample_and_score(run: Run, step: int, version: int, rollout_fn: RolloutFn, round_metrics: dict[str, float],
+                     round_index: int, n_prompts: int, first_id: int) -> list[Trajectory]:
+    """One sampling round of a step: ``n_prompts`` groups drawn, rolled out and scored, numbered from
+    ``first_id``; the round's counts are added to ``round_metrics``."""
+    requests = draw_requests(run, step, n_prompts, round_index)
+    # Round 0 keeps the step's seed; extra dynamic-sampling rounds need fresh samples, so fresh seeds.
+    seed = run.config.train.seed * 1_000_003 + step + round_index * 1_000_000_007
+    own, other = run.cross_policy.split(requests) if run.cross_policy is not None else (requests, [])
+    trajectories = rollout_fn(own, seed, version, first_id) if own else []
+    if other:  # rollout.cross_policy: the round's last groups sampled by another policy
+        trajectories += run.cross_policy.roll_out(run.group_rollout, other, seed, version, first_id + len(own))
+    add_metrics(round_metrics, run.group_rollout.take_metrics())  # agent episodes: drops, merged calls
+    # weighted reward components (env, judge, rules)
+    run.reward_mixer.apply(trajectories, {first_id + g: item for g, (_, _, item) in enumerate(requests)})
+    if run.monitor is not None:  # reward-hacking flags; zeroes flagged rewards if asked, before replay sees them
+        run.monitor.flag(trajectories)
+    add_metrics(round_metrics, run.replay.mix_in(trajectories, step))  # successes into all-fail groups
+    return trajectories
+
+
+def draw_requests(run: Run, step: int, n: int, round_index: int) -> Requests:
+    """A round's ``n`` (task, item index, item) requests: drawn from the curriculum's mixture (or the
+    configured one), prompt replay's share among items already seen, each task at its curriculum level."""
+    set_mixture(run.curriculum, run.sampler, step)
+    draws = run.replay.draw(run.sampler, step, n, round_index)
+    tasks = [level_task(run.curriculum, d.task, run.tasks[d.task]) for d in draws]
+    return [(task, d.index, task.train_item(d.index)) for task, d in zip(tasks, draws, strict=True)]
 
 
 def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
