@@ -136,7 +136,8 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0, help="Multiply every stage's steps.")
     ap.add_argument("--eval", type=int, default=None, help="Held-out items per task (default: the config's).")
     ap.add_argument("--tolerance", type=float, default=2.0, help="Points a domain may end below its best.")
-    ap.add_argument("--run-dir", type=Path, default=None, help="Keep the run here (default: a temp dir).")
+    ap.add_argument("--run-dir", type=Path, default=None,
+                    help="Keep the run here (default: a temp dir, removed at the end).")
     ap.add_argument("--resume", action="store_true", help="Finish (or only summarise) the run in --run-dir.")
     ap.add_argument("--out", type=Path, default=OUT, help="Folder of the JSON results.")
     ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "multidomain.md")
@@ -149,8 +150,9 @@ def main() -> None:
     from polyrl.train.pipeline import registry, run_pipeline, table_markdown
 
     config = load(args.config, args.seed, args.scale, args.eval, args.plain)
-    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="cascade-"))
-    state = run_pipeline(config, run_dir, resume=args.resume, log=lambda m: print(m, flush=True))
+    with tempfile.TemporaryDirectory(prefix="cascade-") as tmp:  # a run's checkpoints: about 10 GB
+        run_dir = args.run_dir or Path(tmp)
+        state = run_pipeline(config, run_dir, resume=args.resume, log=lambda m: print(m, flush=True))
     wall_s = sum(r.get("wall_s") or 0.0 for r in state["rows"][1:])  # the stages; the base eval is common
     variant = "plain" if args.plain else "retention"
     name = args.config.stem

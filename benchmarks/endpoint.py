@@ -108,10 +108,10 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
 def train_arm(agent: bool, args: argparse.Namespace) -> dict[str, Any]:
     from polyrl.train.loop import train
 
-    run_dir = Path(tempfile.mkdtemp(prefix="polyrl-endpoint-"))
     cfg = _config(agent, args, args.steps)
-    summary = train(cfg, run_dir, log=lambda m: None)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    with tempfile.TemporaryDirectory(prefix="polyrl-endpoint-") as tmp:  # checkpoints: GBs, not kept
+        summary = train(cfg, Path(tmp), log=lambda m: None)
+        rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     out = {
         "steps": summary["steps"], "samples": sum(cfg.rollout.prompts_per_step * cfg.rollout.group_size for _ in rows),
         "eval_before": summary["eval_before"]["tool_math"], "eval_after": summary["eval_after"]["tool_math"],
