@@ -15,7 +15,7 @@ from conftest import ROOT
 
 pytest.importorskip("textarena")
 
-from polyrl.config import ConfigError, TaskConfig  # noqa: E402
+from polyrl.config import ConfigError, RolloutConfig, TaskConfig  # noqa: E402
 from polyrl.config_check import load_config  # noqa: E402
 from polyrl.engines.hf import HFEngine  # noqa: E402
 from polyrl.envs import make_task  # noqa: E402
@@ -126,7 +126,8 @@ def _self_play_rollout(engine: HFEngine, seed: int = 3):
     policy = EnginePolicy(opponent, max_new_tokens=6, temperature=1.0)
     task = make_task(TaskConfig(name="pd", env="textarena", params=DILEMMA), seed=0, policy=policy)
     requests = [(task, i, task.train_item(i)) for i in (0, 1)]
-    trajectories = rollout(trained, requests, 2, 6, 1.0, 1.0, seed=seed, version=7)
+    trajectories = rollout(trained, requests, RolloutConfig(group_size=2, max_new_tokens=6, temperature=1.0, top_p=1.0),
+                           seed=seed, version=7)
     return trajectories, trained, opponent
 
 
