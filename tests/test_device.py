@@ -15,7 +15,7 @@ from polyrl.config_check import load_config
 from polyrl.engines.hf import HFEngine
 from polyrl.models import device as dev
 from polyrl.models.forward import autocast_context
-from polyrl.models.loading import load_model, load_tokenizer, tiny_random_model
+from polyrl.models.loading import load_model, tiny_random_model
 from polyrl.train import teachers
 from polyrl.train.batch import Batch, collate
 from polyrl.types import Trajectory
@@ -149,11 +149,6 @@ def test_teachers_are_loaded_on_the_students_device(monkeypatch):
 # --- the engine -------------------------------------------------------------------------------------------------
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("tiny-random")
 
 
 def _samples(engine: HFEngine, **kw) -> list:

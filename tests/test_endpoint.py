@@ -24,11 +24,6 @@ ADD = {"type": "function", "function": {"name": "add", "description": "Add two n
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("tiny-random")
-
-
-@pytest.fixture(scope="module")
 def tiny(tok):
     torch.manual_seed(0)
     return HFEngine(load_model("tiny-random", None, seed=0), tok, bf16=False)

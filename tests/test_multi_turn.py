@@ -26,19 +26,7 @@ TOOL_MATH = TaskConfig(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The tiny model's matmuls are too small to split: extra threads only wait on each other (badly so when
-    # the two cores are busy), so this module runs single-threaded and restores the setting afterwards.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("tiny-random")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class ScriptedEngine:

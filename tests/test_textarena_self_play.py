@@ -19,7 +19,7 @@ from polyrl.config import ConfigError, RolloutConfig, TaskConfig  # noqa: E402
 from polyrl.config_check import load_config  # noqa: E402
 from polyrl.engines.hf import HFEngine  # noqa: E402
 from polyrl.envs import make_task  # noqa: E402
-from polyrl.models.loading import load_model, load_tokenizer  # noqa: E402
+from polyrl.models.loading import load_model  # noqa: E402
 from polyrl.rollout.multi_turn import rollout  # noqa: E402
 from polyrl.rollout.policy_chat import EnginePolicy  # noqa: E402
 
@@ -32,18 +32,7 @@ DILEMMA = {"game": "IteratedPrisonersDilemma-v0", "kwargs": {"num_rounds": 1, "c
            "num_players": 2, "opponent": "self"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The tiny model's matmuls are too small to split: extra threads only wait on each other.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("tiny-random")
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,16 +12,10 @@ from polyrl.envs import make_task
 from polyrl.envs.tool_env import ToolEnv
 from polyrl.envs.tool_parsers import ToolCall
 from polyrl.envs.tools import ToolError
-from polyrl.models.loading import load_tokenizer
 from polyrl.rollout import multi_turn
 from polyrl.rollout.multi_turn import play, to_trajectory
 
 CHAIN_SUM = TaskConfig(name="chain_sum", params={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1})
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return load_tokenizer("tiny-random")
 
 
 def _latency(seconds: float) -> TaskConfig:
