@@ -4,6 +4,7 @@ its checkpoint state, and the schedule's step."""
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from functools import partial
 from typing import Any
@@ -52,5 +53,5 @@ def schedule_step(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
     """Advance the schedule by one update, also after a skipped (NaN/inf) one."""
     with warnings.catch_warnings():
         # A skipped first update leaves the optimizer unstepped; the schedule still advances by design.
-        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+        warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
         scheduler.step()
