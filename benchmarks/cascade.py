@@ -34,7 +34,8 @@ START, END = "<!-- cascade:start -->", "<!-- cascade:end -->"
 
 def plain_stage(stage: dict) -> dict:
     """A stage of the plain cascade: no replay, no retention KL, no early stopping."""
-    return {k: v for k, v in stage.items() if k not in ("replay", "retain_coef", "until_within", "eval_every")}
+    retention = ("replay", "replay_from", "retain_coef", "until_within", "eval_every")
+    return {k: v for k, v in stage.items() if k not in retention}
 
 
 def machine() -> str:

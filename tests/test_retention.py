@@ -49,6 +49,8 @@ def test_validation_items_differ_from_the_reported_ones(tmp_path):
     ({"name": "d", "kind": "distill", "steps": 1, "replay": 0.5}, "apply to rl stages"),
     ({"name": "r", "steps": 1, "retain_coef": 1.0}, "needs replay"),
     ({"name": "r", "steps": 1, "until_within": 0.02}, "applies to distill stages"),
+    ({"name": "r", "steps": 1, "replay_from": "all"}, "replay_from needs replay"),
+    ({"name": "r", "steps": 1, "replay": 0.5, "replay_from": "later"}, "replay_from"),
 ])
 def test_retention_keys_on_the_wrong_stage_are_config_errors(tmp_path, bad, msg):
     with pytest.raises(Exception, match=msg):
@@ -76,6 +78,26 @@ def test_replay_stage_samples_earlier_tasks_with_a_kl_to_their_best(tmp_path, mo
     # Both tasks were sampled, and the rows of chain_sum carried a KL to its teacher.
     assert any("reward/chain_sum" in m for m in metrics) and any("reward/basic_arithmetic" in m for m in metrics)
     assert any(m.get("distill/reverse_kl", 0) > 0 for m in metrics)
+
+
+def test_replay_from_all_holds_a_task_not_trained_yet_by_a_kl_to_its_best_so_far(tmp_path, monkeypatch):
+    # The first stage has no earlier domain; with replay_from: all it replays the second stage's task, whose
+    # best so far is the base model, so that task is held where it started instead of drifting.
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "replay": 0.5, "replay_from": "all",
+               "retain_coef": 0.5},
+              {"name": "rl_b", "tasks": ["basic_arithmetic"], "steps": 1}]
+    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
+    script = iter([{"chain_sum": 0.2, "basic_arithmetic": 0.5},   # base: basic_arithmetic's best so far
+                   {"chain_sum": 0.6, "basic_arithmetic": 0.5},
+                   {"chain_sum": 0.6, "basic_arithmetic": 0.6}])
+    monkeypatch.setattr(pipeline, "evaluate_domains", lambda config, model: next(script))
+    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
+    stage_a, stage_b = state["rows"][1], state["rows"][2]
+    assert stage_a["mixture"] == {"chain_sum": 1.0, "basic_arithmetic": 1.0}
+    assert stage_a["retain_teachers"] == {"basic_arithmetic": cfg.model.name}
+    assert "mixture" not in stage_b  # replay_from defaults to earlier stages, and rl_b sets no replay
+    metrics = [json.loads(x) for x in (tmp_path / "run/stages/1-rl_a/metrics.jsonl").read_text().splitlines()]
+    assert any("reward/basic_arithmetic" in m for m in metrics)
 
 
 def _scripted(held_out: list[dict], validation: dict[str, dict]):

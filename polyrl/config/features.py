@@ -150,8 +150,12 @@ class StageConfig(_Strict):
     """Task name -> teacher: ``best`` (the registry's best checkpoint for that task so far) or a model. A
     distill stage defaults every task without a tasks[].teacher to ``best``."""
     replay: float = Field(0.0, ge=0, lt=1)
-    """rl stages: share of each step's prompts drawn from the tasks that earlier stages trained (split evenly
-    over them), so later domains are learnt while earlier ones are still practised."""
+    """rl stages: share of each step's prompts drawn from the pipeline's other tasks (split evenly over them,
+    see ``replay_from``), so a domain is learnt while the others are still practised."""
+    replay_from: Literal["earlier", "all"] = "earlier"
+    """rl stages with ``replay``: ``earlier`` replays the tasks that earlier stages trained; ``all`` every other
+    task of the pipeline, so domains not trained yet are also held (by ``retain_coef``'s KL to their best
+    checkpoint so far, at first the base model) instead of drifting before their own stage."""
     retain_coef: float = Field(0.0, ge=0)
     """rl stages with ``replay``: weight of the reverse KL to each replayed task's best checkpoint on its
     prompts (on-policy distillation interleaved with RL); the stage's own tasks have no teacher."""
@@ -168,6 +172,8 @@ class StageConfig(_Strict):
             raise ValueError(f"stage '{self.name}': replay and retain_coef apply to rl stages, not {self.kind}")
         if self.retain_coef and not self.replay:
             raise ValueError(f"stage '{self.name}': retain_coef needs replay > 0 (the replayed prompts)")
+        if self.replay_from != "earlier" and not self.replay:
+            raise ValueError(f"stage '{self.name}': replay_from needs replay > 0 (the replayed prompts)")
         if self.kind != "distill" and self.until_within is not None:
             raise ValueError(f"stage '{self.name}': until_within applies to distill stages, not {self.kind}")
         return self

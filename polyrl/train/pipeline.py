@@ -92,12 +92,13 @@ def _teacher(label: str, task: str, best: dict[str, dict]) -> str:
 
 
 def stage_config(
-    base: Config, stage: StageConfig, label: str, model: str, best: dict[str, dict], earlier: list[str] = ()
+    base: Config, stage: StageConfig, label: str, model: str, best: dict[str, dict], others: list[str] = ()
 ) -> Config | None:
     """The plain single-run config of one stage: its tasks, overrides and teachers, starting from ``model``.
 
-    An rl stage with ``replay`` also samples the tasks in ``earlier`` (trained by earlier stages) that are
-    not its own, with ``retain_coef`` as the weight of the reverse KL to their best checkpoints.
+    An rl stage with ``replay`` also samples the tasks in ``others`` (those earlier stages trained, or all
+    of the pipeline's: ``replay_from``) that are not its own, with ``retain_coef`` as the weight of the
+    reverse KL to their best checkpoints.
 
     A distill stage teaches every task, including those whose teacher is ``model`` itself: alone, such a
     task's reverse KL is 0 and AdamW would normalise its near-zero gradients into full-size steps, but next to
@@ -108,7 +109,7 @@ def stage_config(
     data["name"] = f"{base.name}-{label}"
     data["model"]["name"] = model
     own = [t for t in data["tasks"] if not stage.tasks or t["name"] in stage.tasks]
-    replayed = [t for t in data["tasks"] if stage.replay and t["name"] in earlier and t not in own]
+    replayed = [t for t in data["tasks"] if stage.replay and t["name"] in others and t not in own]
     weights = replay_weights({t["name"]: t["weight"] for t in own}, [t["name"] for t in replayed], stage.replay)
     data["tasks"] = [t for t in data["tasks"] if t in own or t in replayed]
     for t in replayed:
@@ -217,7 +218,8 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
         stage, label = StageConfig.model_validate(entry["stage"]), _label(index, entry)
         stage_dir = run_dir / "stages" / label
         start = state["rows"][-1]["checkpoint"]
-        cfg = stage_config(config, stage, label, start, registry(state["rows"]), _trained_before(state, index))
+        others = state["tasks"] if stage.replay_from == "all" else _trained_before(state, index)
+        cfg = stage_config(config, stage, label, start, registry(state["rows"]), others)
         extra: dict[str, Any] = {}
         if cfg is not None and stage.kind == "rl" and cfg.algorithm.distill_coef > 0:
             extra["retain_teachers"] = {t.name: t.teacher for t in cfg.tasks if t.teacher}
