@@ -176,6 +176,30 @@ def test_engine_sync_takes_updated_weights(tiny):
     assert [c.token_ids for g in after for c in g] != [c.token_ids for g in before for c in g]
 
 
+def test_released_weights_are_rebuilt_by_sync(tiny):
+    # The learner's update runs without the engine's copy of the weights (release_memory), and the sync after
+    # it rebuilds them: generation afterwards equals a fresh engine's on the updated policy.
+    tok = load_tokenizer("tiny-random")
+    policy = load_model("tiny-random", None, seed=0)
+    engine = HFEngine(policy, tok, bf16=True, bf16_weights=True)
+    held = engine.fast.nbytes()
+    engine.release_memory()
+    engine.release_memory()  # twice in a row (an update with nothing to learn) is harmless
+    assert engine.fast.nbytes() < held / 10 and engine.head_weight is None
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate(PROMPTS, n=1, max_new_tokens=2)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    engine.sync()
+    assert engine.fast.nbytes() == held
+    after = engine.generate(PROMPTS, n=2, max_new_tokens=8, temperature=1.0, seed=1)
+    fresh = HFEngine(policy, tok, bf16=True, bf16_weights=True).generate(PROMPTS, n=2, max_new_tokens=8,
+                                                                         temperature=1.0, seed=1)
+    assert [c.token_ids for g in after for c in g] == [c.token_ids for g in fresh for c in g]
+    assert [c.logprobs for g in after for c in g] == [c.logprobs for g in fresh for c in g]
+
+
 def test_unsupported_architectures_keep_the_transformers_path(tiny):
     cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu")

@@ -185,11 +185,23 @@ class HFEngine:
             self.model = policy
             self.bf16 = bf16
 
+    def release_memory(self) -> None:
+        """Free the fused decode path's copy of the weights until ``sync``, which rebuilds it layer by layer
+        anyway: the learner's update, the step's highest memory, then runs without a second copy of the model.
+        A no-op on the other paths (their copy is updated in place, or shared with the policy)."""
+        if self.fast is not None:
+            self.fast.release()
+            self.head_weight = self.fast.head_weight = None
+
     @torch.no_grad()
     def sync(self) -> None:
         """Copy the policy's current weights into the engine (a no-op when they are shared)."""
         if self.fast is not None:
-            self.head_weight.copy_(self.policy.get_output_embeddings().weight)
+            head = self.policy.get_output_embeddings().weight
+            if self.head_weight is None:  # released for the update
+                self.head_weight = self.fast.head_weight = head.detach().clone()
+            else:
+                self.head_weight.copy_(head)
             self.fast.refresh(self.policy)
             return
         if self.model is self.policy:

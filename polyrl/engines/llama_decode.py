@@ -202,14 +202,20 @@ class LlamaDecoder:
         for i, layer in enumerate(decoder.layers):
             self.layers[i] = self._fuse(layer)
         self.final_norm.copy_(decoder.norm.weight)
-        if self.head_low is not None:
+        if self.exact_top:
             self.head_low = self._matmul_weight(self.head_weight)
         if self.embed is not None:
             self.embed.copy_(policy.get_input_embeddings().weight)
 
+    def release(self) -> None:
+        """Drop the weight copies ``refresh`` rebuilds (the fused layers and the low-precision head) until it
+        runs again; decoding in between is an error."""
+        self.layers = [None] * len(self.layers)
+        self.head_low = None
+
     def nbytes(self) -> int:
         """Bytes of the weights this decoder holds beyond the caller's float32 head."""
-        tensors = [t for layer in self.layers for t in vars(layer).values() if t is not None]
+        tensors = [t for layer in self.layers if layer is not None for t in vars(layer).values() if t is not None]
         tensors += [t for t in (self.final_norm, self.head_low, self.embed) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -248,6 +254,8 @@ class LlamaDecoder:
         self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, KVBuffers | PromptSharedKV]:
         """Run left-padded prompts ``[B, T]``; return float32 logits of the last position and the filled cache."""
+        if self.layers and self.layers[0] is None:
+            raise RuntimeError("the decoder's weights were released for an update: refresh() (engine.sync()) first")
         b, t = input_ids.shape
         x = self._embed(input_ids)
         cos, sin = self._rope(x, positions)
