@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,12 +54,16 @@ def peak_rss_of_run(steps: int, eval_size: int) -> dict:
         err = proc.stderr.read()
         if proc.returncode:
             raise SystemExit(f"quickstart run failed ({proc.returncode}): {err[-2000:]}")
+        steps = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     # ru_maxrss is in KiB on Linux; this process has only that one child.
     kernel_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     return {
         "command": " ".join(cmd[1:]), "seconds": time.perf_counter() - start,
         "peak_rss_gb": kernel_peak / 1e9, "peak_rss_sampled_gb": max(r for _, r in samples) / 1e9,
         "rss_timeline_gb": [(round(t, 1), round(r / 1e9, 3)) for t, r in samples[:: max(1, len(samples) // 200)]],
+        "median_step_s": statistics.median(m["step_time_s"] for m in steps if "step_time_s" in m),
+        "median_update_s": statistics.median(m["update_time_s"] for m in steps if "update_time_s" in m),
+        "steps_trimmed": sum(m.get("memory/trimmed", 0.0) for m in steps),
     }
 
 
@@ -112,7 +117,9 @@ def main() -> None:
     EXTRA.extend(args.set)
     CONFIG[0] = args.config.resolve()
     result = {"config": str(CONFIG[0].relative_to(ROOT)), "run": peak_rss_of_run(args.steps, args.eval_size)}
-    print(f"peak RSS {result['run']['peak_rss_gb']:.2f} GB ({result['run']['seconds']:.0f} s)", flush=True)
+    run = result["run"]
+    print(f"peak RSS {run['peak_rss_gb']:.2f} GB ({run['seconds']:.0f} s), median step {run['median_step_s']:.2f} s, "
+          f"update {run['median_update_s']:.2f} s, trimmed after {run['steps_trimmed']:.0f} steps", flush=True)
     if not args.no_breakdown:
         result["breakdown"] = breakdown(args.steps, args.eval_size)
         print(json.dumps(result["breakdown"], indent=2))

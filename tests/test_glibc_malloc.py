@@ -43,3 +43,40 @@ def test_an_updates_temporaries_stop_page_faulting():
     _, default = steady_faults("default")
     assert default > 5 * 50 * 2**20 // 4096  # glibc's default: every step maps and faults its blocks in again
     assert kept < default / 20  # raised thresholds: after a few steps the heap holds blocks to reuse
+
+
+TRIM_PROBE = """
+import sys
+import torch
+from polyrl.train.glibc_malloc import keep_freed_memory, resident_bytes, trim_above
+keep_freed_memory()
+held = [torch.ones(64 * 2**20 // 4) for _ in range(8)]  # 512 MB from the heap (the thresholds are raised)
+del held  # freed, but kept by the process for reuse
+kept = resident_bytes()
+budget = int(float(sys.argv[1]) * 1e9)
+trimmed = trim_above(budget)
+print(trimmed, kept, resident_bytes())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+@pytest.mark.parametrize("budget_gb, gives_back", [(0.3, True), (50.0, False)])
+def test_freed_memory_goes_back_only_above_the_budget(budget_gb, gives_back):
+    out = subprocess.run([sys.executable, "-c", TRIM_PROBE, str(budget_gb)], capture_output=True, text=True,
+                         check=True)
+    trimmed, kept, after = out.stdout.split()
+    assert (trimmed == "True") is gives_back
+    if gives_back:  # the 512 MB kept in the heap went back to the OS
+        assert int(kept) - int(after) > 400 * 2**20
+    else:
+        assert abs(int(kept) - int(after)) < 50 * 2**20
+
+
+def test_the_budget_is_the_configured_one_or_a_share_of_what_is_available(monkeypatch):
+    from polyrl.train import glibc_malloc
+
+    assert glibc_malloc.memory_budget(4.0) == 4_000_000_000
+    monkeypatch.setattr(glibc_malloc, "available_bytes", lambda: 10_000_000_000)
+    assert glibc_malloc.memory_budget(None) == int(10_000_000_000 * glibc_malloc.BUDGET_SHARE)
+    monkeypatch.setattr(glibc_malloc, "available_bytes", lambda: None)
+    assert glibc_malloc.memory_budget(None) is None and not glibc_malloc.trim_above(None)

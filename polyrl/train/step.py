@@ -37,7 +37,7 @@ from polyrl.rollout.policy_chat import EnginePolicy
 from polyrl.train import faults
 from polyrl.train.advantage_stage import assign_advantages
 from polyrl.train.agents import GroupRollout, Replay, Requests, add_metrics, episode_metrics
-from polyrl.train.glibc_malloc import keep_freed_memory
+from polyrl.train.glibc_malloc import keep_freed_memory, memory_budget, resident_bytes, trim_above
 from polyrl.train.learner import Learner
 from polyrl.train.multitask import CrossPolicy, build_curriculum, level_task, observe_curriculum, set_mixture
 from polyrl.train.teachers import load_teachers
@@ -77,6 +77,8 @@ class Run:
     """Another policy's engine for a share of the groups (``rollout.cross_policy``)."""
     monitor: RewardMonitor | None = None
     """Reward-hacking monitors (``monitors``), when on and some task has checks."""
+    memory_budget: int | None = None
+    """Bytes of resident memory above which freed memory is given back after an update (``runtime``)."""
 
 
 def load_policy(config: Config) -> tuple[Any, Any]:
@@ -122,6 +124,7 @@ def build_run(config: Config, run_dir: Path) -> Run:
         reward_mixer=RewardMixer(tasks, tokenizer, config.model.name, config.train.seed, device=config.train.device),
         cross_policy=CrossPolicy(config, tokenizer) if cross is not None and cross.share > 0 else None,
         monitor=monitor if config.monitors.enabled and monitor.active else None,
+        memory_budget=memory_budget(config.runtime.memory_budget_gb),
     )
 
 
@@ -233,6 +236,9 @@ def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
         update["sync/bytes"] = float(gather_into(run.model, run.engine_model, trainable_only=run.learner.is_lora))
     run.engine.sync()
     update["sync/time_s"] = time.perf_counter() - t_sync
+    # After the step's highest memory: past the budget, the freed memory kept for speed goes back.
+    update["memory/rss_gb"] = (resident_bytes() or 0) / 1e9
+    update["memory/trimmed"] = float(trim_above(run.memory_budget))
     return update, time.perf_counter() - t1
 
 
