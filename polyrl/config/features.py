@@ -235,9 +235,10 @@ class RuntimeConfig(_Strict):
     in again next step (``train/glibc_malloc.py``): a 16-row update with 64-token answers about 25 % faster, peak
     memory up to a few hundred MB higher."""
     memory_budget_gb: float | None = Field(None, gt=0)
-    """Linux/glibc: resident memory (GB) above which the heap's free pages go back to the OS after each update
-    (``malloc_trim``), so keeping freed memory never takes more than the run is given. Unset: 80 % of the
-    memory available when the run starts (MemAvailable, capped by a container's cgroup limit)."""
+    """Linux/glibc: resident memory (GB) above which the heap's free pages go back to the OS (``malloc_trim``)
+    before each update and before held-out evaluation, so keeping freed memory takes no more than the run is
+    given. Unset: 80 % of the memory available when the run starts (MemAvailable, capped by a container's
+    cgroup limit)."""
 
     @model_validator(mode="after")
     def _check_runtime(self) -> RuntimeConfig:

@@ -230,15 +230,16 @@ def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
     release = getattr(run.engine, "release_memory", None)  # engines without memory to give back may omit it
     if release is not None:
         release()  # a colocated vLLM with sleep_mode frees the GPU for the update until the sync
+    # The update is the step's highest memory: past the budget, it starts with the freed memory given back.
+    trimmed = trim_above(run.memory_budget)
     update = run.learner.update(batch.kept)
     t_sync = time.perf_counter()
     if run.engine_model is not run.model:  # the sharded weights, gathered whole on every rank
         update["sync/bytes"] = float(gather_into(run.model, run.engine_model, trainable_only=run.learner.is_lora))
     run.engine.sync()
     update["sync/time_s"] = time.perf_counter() - t_sync
-    # After the step's highest memory: past the budget, the freed memory kept for speed goes back.
     update["memory/rss_gb"] = (resident_bytes() or 0) / 1e9
-    update["memory/trimmed"] = float(trim_above(run.memory_budget))
+    update["memory/trimmed"] = float(trimmed)
     return update, time.perf_counter() - t1
 
 
@@ -283,6 +284,7 @@ def evaluate_all(run: Run) -> dict[str, float]:
     """Greedy held-out accuracy per task, on the policy's own weights (no bf16 copy unless eval.bf16); under
     several learner ranks each evaluates its share of the items."""
     cfg, ranks = run.config, current()
+    trim_above(run.memory_budget)  # evaluation's caches come on top of everything training holds
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     policy = run.engine_model
     # Weights stored in bf16 (LoRA's frozen base) need autocast; the rest of the policy is still evaluated as is.
