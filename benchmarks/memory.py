@@ -63,7 +63,6 @@ def peak_rss_of_run(steps: int, eval_size: int) -> dict:
         "rss_timeline_gb": [(round(t, 1), round(r / 1e9, 3)) for t, r in samples[:: max(1, len(samples) // 200)]],
         "median_step_s": statistics.median(m["step_time_s"] for m in steps if "step_time_s" in m),
         "median_update_s": statistics.median(m["update_time_s"] for m in steps if "update_time_s" in m),
-        "steps_trimmed": sum(m.get("memory/trimmed", 0.0) for m in steps),
     }
 
 
@@ -119,7 +118,7 @@ def main() -> None:
     result = {"config": str(CONFIG[0].relative_to(ROOT)), "run": peak_rss_of_run(args.steps, args.eval_size)}
     run = result["run"]
     print(f"peak RSS {run['peak_rss_gb']:.2f} GB ({run['seconds']:.0f} s), median step {run['median_step_s']:.2f} s, "
-          f"update {run['median_update_s']:.2f} s, trimmed after {run['steps_trimmed']:.0f} steps", flush=True)
+          f"update {run['median_update_s']:.2f} s", flush=True)
     if not args.no_breakdown:
         result["breakdown"] = breakdown(args.steps, args.eval_size)
         print(json.dumps(result["breakdown"], indent=2))

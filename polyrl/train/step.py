@@ -37,7 +37,7 @@ from polyrl.rollout.policy_chat import EnginePolicy
 from polyrl.train import faults
 from polyrl.train.advantage_stage import assign_advantages
 from polyrl.train.agents import GroupRollout, Replay, Requests, add_metrics, episode_metrics
-from polyrl.train.glibc_malloc import keep_freed_memory, memory_budget, resident_bytes, trim_above
+from polyrl.train.glibc_malloc import keep_freed_memory, memory_budget, trim_above
 from polyrl.train.learner import Learner
 from polyrl.train.multitask import CrossPolicy, build_curriculum, level_task, observe_curriculum, set_mixture
 from polyrl.train.teachers import load_teachers
@@ -231,15 +231,14 @@ def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
     if release is not None:
         release()  # a colocated vLLM with sleep_mode frees the GPU for the update until the sync
     # The update is the step's highest memory: past the budget, it starts with the freed memory given back.
-    trimmed = trim_above(run.memory_budget)
+    # (Not logged: metrics.jsonl holds what a seed determines, and resident memory is the machine's.)
+    trim_above(run.memory_budget)
     update = run.learner.update(batch.kept)
     t_sync = time.perf_counter()
     if run.engine_model is not run.model:  # the sharded weights, gathered whole on every rank
         update["sync/bytes"] = float(gather_into(run.model, run.engine_model, trainable_only=run.learner.is_lora))
     run.engine.sync()
     update["sync/time_s"] = time.perf_counter() - t_sync
-    update["memory/rss_gb"] = (resident_bytes() or 0) / 1e9
-    update["memory/trimmed"] = float(trimmed)
     return update, time.perf_counter() - t1
 
 
