@@ -6,7 +6,8 @@ head's weights, the gradient of that copy. glibc serves every block above its mm
 default) with a fresh mapping and unmaps it on free, so each of those tensors page-faults its whole size in on
 first touch, every step. Raising the mmap and trim thresholds lets such blocks come from the heap and be reused:
 measured on SmolLM2-135M, a 16-row update (64-token responses) went from 5.2-7.7 s to 3.8-4.2 s, for a few
-hundred MB more peak memory (docs/performance.md, "Memory allocator").
+hundred MB more peak memory (docs/performance.md, "Memory allocator"). What is kept is bounded by a budget:
+past it, ``trim_above`` hands the heap's free pages back before the next update (``runtime.memory_budget_gb``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,16 @@ share of the memory available when it starts."""
 _applied = False
 
 
+def _libc() -> ctypes.CDLL | None:
+    """The C library on Linux (None elsewhere, or when it cannot be loaded)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds for this process, once; True when they are in effect.
 
@@ -37,27 +48,15 @@ def keep_freed_memory() -> bool:
     global _applied
     if _applied:
         return True
-    if not sys.platform.startswith("linux") or any(
-        k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")
-    ):
+    if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES")):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and others have no mallopt
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)  # musl and others have no mallopt
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     _applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
     return _applied
-
-
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
 
 
 def available_bytes() -> int | None:
