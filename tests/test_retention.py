@@ -118,18 +118,18 @@ def test_distill_stops_once_every_task_is_within_tolerance(tmp_path, monkeypatch
     # basic_arithmetic's teacher is the base (validation 0.5); the distill start is at 0.3, after 2 steps at 0.49.
     validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.5},
                   "1-rl_a/checkpoints/step-1": {"chain_sum": 0.6, "basic_arithmetic": 0.3},
-                  "2-distill/part-1/checkpoints/step-2": {"chain_sum": 0.6, "basic_arithmetic": 0.49}}
+                  "2-distill/checkpoints/step-2": {"chain_sum": 0.6, "basic_arithmetic": 0.49}}
     held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.5}, {"chain_sum": 0.6, "basic_arithmetic": 0.3},
                 {"chain_sum": 0.6, "basic_arithmetic": 0.5}]
     monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, validation))
     state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
     row = state["rows"][2]
     assert row["steps"] == 2 and row["samples"] == 2 * 2 * 2  # one part of 2 steps, not the budget of 6
-    assert row["checkpoint"].endswith("2-distill/part-1/checkpoints/step-2")
+    assert row["checkpoint"].endswith("2-distill/checkpoints/step-2")
     assert row["early_stop"]["kept_part"] == 1
     assert row["early_stop"]["teacher_validation"] == {"chain_sum": 0.6, "basic_arithmetic": 0.5}
     assert [p["steps"] for p in row["early_stop"]["parts"]] == [0, 2]
-    assert not (tmp_path / "run/stages/2-distill/part-2").exists()
+    assert sorted(p.name for p in (tmp_path / "run/stages/2-distill/checkpoints").iterdir()) == ["step-2"]
 
 
 def test_distill_at_the_end_of_its_budget_keeps_the_best_part(tmp_path, monkeypatch):
@@ -138,14 +138,36 @@ def test_distill_at_the_end_of_its_budget_keeps_the_best_part(tmp_path, monkeypa
     cfg = load_config(write_config(tmp_path / "c.yaml", stages))
     validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.5},
                   "1-rl_a/checkpoints/step-1": {"chain_sum": 0.6, "basic_arithmetic": 0.3},
-                  "2-distill/part-1/checkpoints/step-2": {"chain_sum": 0.55, "basic_arithmetic": 0.44},
-                  "2-distill/part-2/checkpoints/step-1": {"chain_sum": 0.4, "basic_arithmetic": 0.5}}
+                  "2-distill/checkpoints/step-2": {"chain_sum": 0.55, "basic_arithmetic": 0.44},
+                  "2-distill/checkpoints/step-3": {"chain_sum": 0.4, "basic_arithmetic": 0.5}}
     held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.5}, {"chain_sum": 0.6, "basic_arithmetic": 0.3},
                 {"chain_sum": 0.55, "basic_arithmetic": 0.45}]
     monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, validation))
     state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
     row = state["rows"][2]
-    # Parts of 2 and 1 steps (budget 3); neither within 0.02, part 1 falls least short (-0.06 against -0.2).
+    # Parts of 2 and 1 steps (budget 3) of one run; neither within 0.02, part 1 falls least short (-0.06
+    # against -0.2), and its checkpoint is still there to keep.
     assert [p["steps"] for p in row["early_stop"]["parts"]] == [0, 2, 3] and row["steps"] == 3
     assert row["early_stop"]["kept_part"] == 1
-    assert row["checkpoint"].endswith("2-distill/part-1/checkpoints/step-2")
+    assert row["checkpoint"].endswith("2-distill/checkpoints/step-2")
+
+
+def test_a_run_stopped_and_resumed_with_stop_at_step_equals_one_run(tmp_path):
+    # A distill stage's pauses must not restart Adam or the schedule: stopping at step 1 and resuming to 3
+    # trains exactly as 3 steps in one go, learning rate included.
+    from polyrl.train.loop import train
+    from tests.conftest import SMOKE
+
+    def cfg(stop):
+        return load_config(SMOKE, ["train.steps=3", f"train.stop_at_step={stop}", "optim.schedule=linear",
+                                   "algorithm.entropy_coef=0.01", "eval.before=false", "eval.after=false",
+                                   "logging.tensorboard=false", "logging.report=false", "logging.progress=false"])
+
+    train(cfg(3), tmp_path / "a", log=lambda *_: None)
+    assert train(cfg(1), tmp_path / "b", log=lambda *_: None)["steps"] == 1
+    assert train(cfg(3), tmp_path / "b", resume=True, log=lambda *_: None)["steps"] == 3
+    rows = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in "ab"]
+    keys = ("loss", "lr", "grad_norm", "entropy")
+    assert [[r.get(k) for k in keys] for r in rows[0]] == [[r.get(k) for k in keys] for r in rows[1]]
+    assert rows[1][0]["lr"] > rows[1][1]["lr"] > rows[1][2]["lr"]  # one linear decay over the 3 steps
+    assert all(r["grad_norm"] > 0 for r in rows[1])

@@ -322,6 +322,9 @@ class TrainConfig(_Strict):
     steps: int = Field(50, ge=0)
     max_minutes: float | None = Field(None, gt=0)
     """Stop after this much training time (evaluation excluded), whichever comes first."""
+    stop_at_step: int | None = Field(None, gt=0)
+    """Stop after this step with a checkpoint, while the learning-rate schedule still spans ``steps``: resuming
+    with a later stop continues the same run (one optimizer state, one schedule), as a distill stage's parts do."""
     seed: int = 0
     checkpoint_every: int = Field(0, ge=0)
     """0 saves only the final checkpoint."""

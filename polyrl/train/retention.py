@@ -7,7 +7,7 @@ in docs/multidomain.md:
   rows adds the reverse KL to each task's best checkpoint (on-policy distillation, Agarwal et al. 2024,
   interleaved with RL as in multi-teacher on-policy distillation). The policy gradient still applies to every
   row, so earlier domains keep being practised against their own reward.
-- early stopping: a distill stage runs in parts of ``eval_every`` steps and stops once every task's accuracy on
+- early stopping: a distill stage pauses every ``eval_every`` steps and stops once every task's accuracy on
   validation items (disjoint from the reported held-out items) is within ``until_within`` of its teacher's,
   or its step budget ends; it keeps the part (possibly the start) whose worst gap to the teachers is smallest.
 """
@@ -26,8 +26,6 @@ from polyrl.train.loop import train
 # Validation items come from the tasks' held-out generator under seed + this offset: reasoning-gym item i of
 # seed s is generated from s + i, so with eval_size below the offset they never coincide with reported items.
 VALIDATION_SEED_OFFSET = 1_000_003
-# Each part of an early-stopped stage draws training items from its own seed, not the same ones again.
-PART_SEED_STRIDE = 100_003
 
 
 def replay_weights(own: dict[str, float], replayed: list[str], share: float) -> dict[str, float]:
@@ -74,30 +72,29 @@ def distill_until_within(
     resume: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run the distill stage ``config`` in parts of ``every`` steps (at most ``budget`` in all) until every
-    task's validation accuracy is within ``tolerance`` of its teacher's; returns the kept checkpoint, the
-    parts' history, the steps taken and their training time."""
+    """Run the distill stage ``config`` for at most ``budget`` steps, pausing every ``every`` steps to validate,
+    until every task's validation accuracy is within ``tolerance`` of its teacher's; returns the kept
+    checkpoint, the parts' history, the steps taken and their training time.
+
+    The parts are one run resumed (``train.stop_at_step``): one optimizer state and one learning-rate schedule
+    over the budget, so a pause is not a restart of Adam's moments or of the schedule."""
     teachers = {t.name: t.teacher for t in config.tasks}
     target = {task: validate(teacher)[task] for task, teacher in teachers.items()}
-    start = config.model.name
-    history = [{"steps": 0, "checkpoint": start, "validation": validate(start)}]
-    steps, train_time = 0, 0.0
+    history = [{"steps": 0, "checkpoint": config.model.name, "validation": validate(config.model.name)}]
     log(f"{stage_dir.name}: teachers' validation {target}, start {history[0]['validation']}")
-    while worst_gap(history[-1]["validation"], target) < -tolerance and steps < budget:
-        n = min(every, budget - steps)
-        data = config.model_dump(mode="json")
-        data["model"]["name"] = history[-1]["checkpoint"]
-        data["train"]["steps"] = n
-        data["train"]["seed"] = config.train.seed + PART_SEED_STRIDE * len(history)
-        part_dir = stage_dir / f"part-{len(history)}"
-        summary = train(load_config(part_dir.name, data=data), part_dir, resume=resume and part_dir.exists(), log=log)
-        ckpt = latest_checkpoint(part_dir)
+    data = config.model_dump(mode="json")
+    data["train"].update(steps=budget, keep_checkpoints=budget // every + 1, checkpoint_every=0)
+    summary: dict[str, Any] = {}
+    while worst_gap(history[-1]["validation"], target) < -tolerance and history[-1]["steps"] < budget:
+        data["train"]["stop_at_step"] = min(history[-1]["steps"] + every, budget)
+        part = load_config(stage_dir.name, data=data)
+        summary = train(part, stage_dir, resume=len(history) > 1 or (resume and stage_dir.exists()), log=log)
+        ckpt = latest_checkpoint(stage_dir)
         if ckpt is None:
-            raise RuntimeError(f"{part_dir}: finished without a checkpoint")
-        steps += n
-        train_time += summary.get("train_time_s", 0.0)
-        history.append({"steps": steps, "checkpoint": str(ckpt), "validation": validate(str(ckpt))})
-        log(f"{stage_dir.name}: after {steps} steps, validation {history[-1]['validation']}")
+            raise RuntimeError(f"{stage_dir}: finished without a checkpoint")
+        history.append({"steps": summary["steps"], "checkpoint": str(ckpt), "validation": validate(str(ckpt))})
+        log(f"{stage_dir.name}: after {summary['steps']} steps, validation {history[-1]['validation']}")
     kept = choose_part(history, target, tolerance)
     return {"checkpoint": history[kept]["checkpoint"], "kept_part": kept, "parts": history,
-            "teacher_validation": target, "steps": steps, "train_time_s": train_time}
+            "teacher_validation": target, "steps": history[-1]["steps"],
+            "train_time_s": summary.get("train_time_s", 0.0)}
