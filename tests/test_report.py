@@ -165,3 +165,11 @@ def test_train_writes_report_at_the_end(tmp_path):
     res = subprocess.run([sys.executable, "-m", "polyrl", "report", str(out)], capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip() == str(out / "report.html")
     assert (out / "report.html").stat().st_mtime_ns >= mtime
+
+
+def test_report_plots_the_engine_learner_mismatch_in_its_own_panel(tmp_path):
+    metrics = [{"step": s, "reward/mean": 0.5, "mismatch/log_ratio": 0.01 * s, "mismatch/kl": 0.001 * s,
+                "mismatch/beyond_band_frac": 0.1, "mismatch/abs_log_ratio/max": 2.0} for s in (1, 2, 3)]
+    page = write_report(_write_run(tmp_path / "run", metrics)).read_text()
+    assert "Engine/learner mismatch" in _figures(page)
+    assert "other-curves" not in page  # every mismatch key is claimed by the panel

@@ -102,6 +102,8 @@ PANELS = [
     Panel("Response length", "tokens", lambda k: k.startswith("response_length")),
     Panel("Clip fraction", "fraction of tokens", lambda k: "clip_frac" in k),
     Panel("Staleness", "policy versions", lambda k: k.startswith("staleness")),
+    # engine vs learner log-probs of the sampled tokens (polyrl/algorithms/mismatch.py), logged every step
+    Panel("Engine/learner mismatch", "log-ratio, KL, fraction", lambda k: k.startswith("mismatch/")),
     Panel("Throughput", "tokens / s", lambda k: k.endswith("tokens_per_s")),
     Panel("Step time", "seconds", lambda k: k in ("step_time_s", "rollout_time_s", "update_time_s")
           or k.startswith("time/")),
