@@ -113,6 +113,27 @@ def test_activation_checkpointing_recomputes_the_same_update(two_ranks):
         assert float((two_weights[name] - w).norm() / w.norm()) <= 1e-5, name
 
 
+def test_activation_checkpointing_in_one_process_keeps_less_for_backward_and_gives_the_same_update():
+    saved = []
+
+    def keep(t):  # every tensor autograd keeps for the backward pass outside a checkpointed layer
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    def kept_bytes(sharding):
+        saved.clear()
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out = _update("token-mean", False, sharding=sharding)
+        return sum(saved), out
+
+    plain_bytes, (plain_metrics, plain_weights) = kept_bytes(None)
+    ckpt_bytes, (ckpt_metrics, ckpt_weights) = kept_bytes(LearnerConfig(activation_checkpointing=True))
+    assert ckpt_bytes < 0.5 * plain_bytes  # the layers' activations are recomputed, not kept
+    assert ckpt_metrics["grad_norm"] == pytest.approx(plain_metrics["grad_norm"], rel=1e-5)
+    for name, w in plain_weights.items():
+        assert float((ckpt_weights[name] - w).norm() / w.norm()) <= 1e-5, name
+
+
 def test_a_rank_without_rows_joins_the_passes_and_adds_nothing(two_ranks):
     """One trajectory over two ranks: rank 1 runs placeholder passes (the gathers are collectives)."""
     one_metrics, one_weights = _update("token-mean", False, n_groups=1, group=1)
@@ -202,3 +223,16 @@ def test_a_one_process_checkpoint_is_not_resumed_by_ranks(tmp_path):
                                     "train.steps=2", "learner.world_size=2"])
     with pytest.raises(RankFailedError, match="saved by one process; resume it with learner.world_size: 1"):
         train(ranks_cfg, tmp_path, resume=True, log=lambda *_: None)
+
+
+def test_activation_checkpointing_without_packing_gives_the_same_update(monkeypatch):
+    # Without packing the learner runs prompts once and responses on their KV cache, which a checkpointed layer
+    # would drop (transformers turns caching off under checkpointing); the rows must then run without a cache.
+    from polyrl.train import forward_pass
+
+    monkeypatch.setattr(forward_pass, "PACKED_ATTENTION", 0)
+    plain_metrics, plain_weights = _update("token-mean", False)
+    ckpt_metrics, ckpt_weights = _update("token-mean", False, sharding=LearnerConfig(activation_checkpointing=True))
+    assert ckpt_metrics["grad_norm"] == pytest.approx(plain_metrics["grad_norm"], rel=1e-5)
+    for name, w in plain_weights.items():
+        assert float((ckpt_weights[name] - w).norm() / w.norm()) <= 1e-5, name

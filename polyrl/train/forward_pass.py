@@ -69,13 +69,16 @@ def response_hidden(model: PreTrainedModel, batch: Batch, bf16: bool, share_pref
         lengths = mask[:, s:].sum(-1).tolist()
         buckets = length_buckets(lengths, BUCKET_OVERHEAD)
         prompt_positions = int(unique[:, s:].sum())
+        # A checkpointed layer drops its KV cache (transformers: a recompute would write it twice), so under
+        # activation checkpointing only the paths without a cache are exact: packed rows, or plain padded rows.
+        no_cache = getattr(model, "is_gradient_checkpointing", False) and model.training
         if _packing_applies(model):
             packed = prompt_positions + sum(max(n - 1, 0) for n in lengths)
             padded = sum(len(b) * max(lengths[i] for i in b) for b in buckets)
-            if (packed + packed * packed / PACKED_ATTENTION + BUCKET_OVERHEAD
-                    < prompt_positions + padded + BUCKET_OVERHEAD * (len(buckets) + 1)):
+            if no_cache or (packed + packed * packed / PACKED_ATTENTION + BUCKET_OVERHEAD
+                            < prompt_positions + padded + BUCKET_OVERHEAD * (len(buckets) + 1)):
                 return _packed(model, batch, bf16, unique, inverse, lengths, ids)
-        if len(unique) < len(prompt_key) or len(buckets) > 1:
+        if not no_cache and (len(unique) < len(prompt_key) or len(buckets) > 1):
             return _bucketed(model, batch, bf16, unique, inverse, lengths, buckets)
     hidden, _ = decoder_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids, bf16)
     return hidden[:, s - 1 : -1]

@@ -103,6 +103,8 @@ class Learner:
                 if module is not None:
                     shard_module(module, module.policy, self.device, sharding.offload_optimizer,
                                  sharding.activation_checkpointing and module is self.policy_pass)
+        elif sharding is not None and sharding.activation_checkpointing:  # one process: recompute, no sharding
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.params = [p for p in model.parameters() if p.requires_grad]
         groups: list[dict] = [{"params": self.params}]
         if self.value_head is not None:
