@@ -11,6 +11,8 @@ markers) and docs/algorithms.png; the raw numbers into benchmarks/results/algori
         --doc /tmp/algorithms.md --png /tmp/algorithms.png         # a check of the script itself
     python benchmarks/algorithms.py --steps 20 --lrs 1e-5 3e-5 1e-4 --seeds 0 1 \
         --json benchmarks/results/algorithms_sweep.json             # the learning-rate sweep (hours on 2 cores)
+    python benchmarks/algorithms.py --merge part1.json part2.json \
+        --json benchmarks/results/algorithms_sweep.json             # a sweep split over processes with --only
 
 With one epoch per batch the importance ratio is exactly 1, where PPO-clip, GSPO and CISPO give the same
 gradient; so gspo and cispo run two epochs per batch here, where their ratios differ.
@@ -130,17 +132,21 @@ def sweep_markdown(results: dict) -> str:
     lrs = results["lrs"]
     head = ["algorithm", "best lr", "final acc (mean)", "seeds' range", *[f"lr {lr:g}" for lr in lrs], "s/step"]
     items = results["eval_n"] or "the config's"
+    starts = {r["curve"][0]["accuracy"] for by_lr in results["sweep"].values() for runs in by_lr.values()
+              for r in runs.values() if "curve" in r}
+    start = f", {100 * min(starts):.1f}% before training" if len(starts) == 1 else ""
     lines = [
         f"Config `{results['config']}`, {results['steps']} updates per run with the config's schedule over them, "
         f"learning rates {', '.join(f'{lr:g}' for lr in lrs)}, seeds {', '.join(map(str, results['seeds']))}; "
-        f"held-out accuracy (greedy, {items} items) after the last update; "
+        f"held-out accuracy (greedy, {items} items) after the last update{start}; "
         f"{results['machine']}, {results['date']}.",
         "",
         "| " + " | ".join(head) + " |",
         "| " + " | ".join("---" for _ in head) + " |",
     ]
     for name, by_lr in results["sweep"].items():
-        finals = {lr: [r["curve"][-1]["accuracy"] for r in by_lr[str(lr)].values() if "curve" in r] for lr in lrs}
+        finals = {lr: [r["curve"][-1]["accuracy"] for r in by_lr.get(str(lr), {}).values() if "curve" in r]
+                  for lr in lrs}
         means = {lr: sum(v) / len(v) for lr, v in finals.items() if v}
         if not means:
             lines.append(f"| {name} | failed |" + " |" * (len(head) - 2))
@@ -150,7 +156,8 @@ def sweep_markdown(results: dict) -> str:
         per_step = sum(r["train_time_s"] for r in runs) / sum(r["steps"] for r in runs)
         cells = [name, f"{best:g}", f"{100 * means[best]:.1f}%",
                  f"{100 * min(finals[best]):.0f}-{100 * max(finals[best]):.0f}%",
-                 *[f"{100 * means[lr]:.1f}%" if lr in means else "failed" for lr in lrs], f"{per_step:.1f}"]
+                 *[f"{100 * means[lr]:.1f}%" if lr in means else "failed" if str(lr) in by_lr else "not run"
+                   for lr in lrs], f"{per_step:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -179,6 +186,25 @@ def main_sweep(args: argparse.Namespace, results: dict) -> None:
     table = sweep_markdown(results)
     replace_block(args.doc, f"<!-- sweep:{args.block}:start -->", f"<!-- sweep:{args.block}:end -->", table,
                   f"Learning-rate sweep ({args.block})")
+    print(table)
+
+
+def merge_sweeps(paths: list[Path], out: Path, doc: Path, block: str) -> None:
+    """One sweep from several partial ones of the same settings (each algorithm's runs from whichever file
+    has them), its JSON and its table."""
+    parts = [json.loads(p.read_text()) for p in paths]
+    settings = ("config", "steps", "lrs", "seeds", "eval_n")
+    for path, part in zip(paths, parts, strict=True):
+        if any(part.get(k) != parts[0].get(k) for k in settings):
+            raise SystemExit(f"{path}: another sweep's settings ({', '.join(settings)} differ from {paths[0]})")
+    merged = {**parts[0], "sweep": {}, "merged_from": [str(p) for p in paths]}
+    for part in parts:
+        merged["sweep"].update(part["sweep"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(merged, indent=2))
+    table = sweep_markdown(merged)
+    replace_block(doc, f"<!-- sweep:{block}:start -->", f"<!-- sweep:{block}:end -->", table,
+                  f"Learning-rate sweep ({block})")
     print(table)
 
 
@@ -253,7 +279,13 @@ def main() -> None:
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-5, 3e-5, 1e-4])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--block", default="quickstart", help="the sweep table's marker name in --doc")
+    p.add_argument("--merge", type=Path, nargs="+", default=None,
+                   help="only join these sweep JSONs (e.g. runs split with --only over processes) into --json "
+                        "and write their table")
     args = p.parse_args()
+    if args.merge:
+        merge_sweeps(args.merge, args.json, args.doc, args.block)
+        return
     if args.points < 1 or args.minutes <= 0:
         raise SystemExit("--points must be >= 1 and --minutes > 0")
 
