@@ -24,12 +24,12 @@ import argparse
 import gc
 import json
 import os
-import platform
 import tempfile
 import time
 import traceback
 from pathlib import Path
 
+from cascade import machine
 from doc_block import replace_block
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -236,10 +236,6 @@ def write_doc(doc: Path, table: str) -> None:
     replace_block(doc, START, END, table, "Benchmark results")
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def plot(results: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -293,7 +289,7 @@ def main() -> None:
         "config": str(args.config.resolve().relative_to(ROOT) if args.config.resolve().is_relative_to(ROOT)
                       else args.config),
         "minutes": args.minutes,
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip() + f", {_cores()} cores",
+        "machine": machine(),
         "date": time.strftime("%Y-%m-%d"),
         "algorithms": {},
     }
