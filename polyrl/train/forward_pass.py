@@ -74,9 +74,11 @@ def response_hidden(model: PreTrainedModel, batch: Batch, bf16: bool, share_pref
         no_cache = getattr(model, "is_gradient_checkpointing", False) and model.training
         if _packing_applies(model):
             packed = prompt_positions + sum(max(n - 1, 0) for n in lengths)
+            packed_cost = packed + packed * packed / PACKED_ATTENTION + BUCKET_OVERHEAD
             padded = sum(len(b) * max(lengths[i] for i in b) for b in buckets)
-            if no_cache or (packed + packed * packed / PACKED_ATTENTION + BUCKET_OVERHEAD
-                            < prompt_positions + padded + BUCKET_OVERHEAD * (len(buckets) + 1)):
+            # without a cache the alternative is every row in full, its prompt included
+            other = ids.numel() if no_cache else prompt_positions + padded + BUCKET_OVERHEAD * (len(buckets) + 1)
+            if packed_cost < other:
                 return _packed(model, batch, bf16, unique, inverse, lengths, ids)
         if not no_cache and (len(unique) < len(prompt_key) or len(buckets) > 1):
             return _bucketed(model, batch, bf16, unique, inverse, lengths, buckets)
