@@ -70,6 +70,22 @@ def autocast_context(bf16: bool, device_type: str = "cpu"):
     return bf16_autocast(device_type, bf16)
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass (non-reentrant checkpoints), through
+    transformers' own switch: ``activation_checkpointing_enable``, or its older name."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def checkpointing_active(model: torch.nn.Module) -> bool:
+    """Whether a forward of ``model`` now runs checkpointed layers (transformers flags each such layer, and
+    checkpoints only in training mode)."""
+    return model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
 def decoder_forward(
     model: PreTrainedModel,
     input_ids: torch.Tensor,

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from polyrl.models.forward import enable_activation_checkpointing
 from polyrl.parallel.group import current
 from polyrl.parallel.shard_gather import full_tensor
 
@@ -42,7 +43,7 @@ def shard_module(
     mesh = init_device_mesh(device.type, (ranks.world_size,))
     offload_policy = CPUOffloadPolicy() if offload and device.type == "cuda" else OffloadPolicy()
     if activation_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(policy)
     for layer in decoder_layers(policy):
         fully_shard(layer, mesh=mesh, offload_policy=offload_policy)
     fully_shard(root, mesh=mesh, offload_policy=offload_policy)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
 from polyrl.models.device import to_device
-from polyrl.models.forward import FLOAT32_SDPA, decoder_forward, full_attention_only
+from polyrl.models.forward import FLOAT32_SDPA, checkpointing_active, decoder_forward, full_attention_only
 from polyrl.train.batch import Batch
 
 BUCKET_OVERHEAD = 32
@@ -71,7 +71,7 @@ def response_hidden(model: PreTrainedModel, batch: Batch, bf16: bool, share_pref
         prompt_positions = int(unique[:, s:].sum())
         # A checkpointed layer drops its KV cache (transformers: a recompute would write it twice), so under
         # activation checkpointing only the paths without a cache are exact: packed rows, or plain padded rows.
-        no_cache = getattr(model, "is_gradient_checkpointing", False) and model.training
+        no_cache = checkpointing_active(model)
         if _packing_applies(model):
             packed = prompt_positions + sum(max(n - 1, 0) for n in lengths)
             packed_cost = packed + packed * packed / PACKED_ATTENTION + BUCKET_OVERHEAD

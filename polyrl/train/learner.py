@@ -15,6 +15,7 @@ from polyrl.algorithms.gae import ValueHead
 from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED
 from polyrl.algorithms.mismatch import mismatch_sums
 from polyrl.config import AlgorithmConfig, LearnerConfig, OptimConfig
+from polyrl.models.forward import enable_activation_checkpointing
 from polyrl.parallel.fsdp import clip_grad_norm, shard_module
 from polyrl.parallel.group import balanced_shards, current
 from polyrl.train.advantage_stage import token_advantages
@@ -104,7 +105,7 @@ class Learner:
                     shard_module(module, module.policy, self.device, sharding.offload_optimizer,
                                  sharding.activation_checkpointing and module is self.policy_pass)
         elif sharding is not None and sharding.activation_checkpointing:  # one process: recompute, no sharding
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         groups: list[dict] = [{"params": self.params}]
         if self.value_head is not None:
