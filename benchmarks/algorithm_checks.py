@@ -10,7 +10,8 @@
   ``mismatch/`` metrics and held-out accuracy.
 
 Each writes benchmarks/results/algorithm_checks/<check>.json and its table between the
-``<!-- check:<check>:start/end -->`` markers of docs/algorithms.md.
+``<!-- check:<check>:start/end -->`` markers of docs/algorithms.md (``--table-only`` rewrites the table from
+the JSON).
 
     python benchmarks/algorithm_checks.py try-again                 # ~15 min on 2 cores
     python benchmarks/algorithm_checks.py pcgrad
@@ -73,7 +74,7 @@ def series(rows: list[dict], key: str) -> list[float]:
     return [r[key] for r in rows if isinstance(r.get(key), int | float)]
 
 
-def check_try_again(args, tmp: Path) -> tuple[dict, str]:
+def check_try_again(args, tmp: Path) -> dict:
     k = args.attempts
     base = {n: config(args.config, args.common + [f"tasks.0.attempts={n}"]) for n in (1, k)}
     start = base[1].model.name
@@ -86,6 +87,11 @@ def check_try_again(args, tmp: Path) -> tuple[dict, str]:
             "turns_mean": statistics.mean(series(rows, "turns/mean") or [1.0]),
             "after": {f"at_{m}": accuracy(c, ckpt) for m, c in base.items()},
         }
+    return result
+
+
+def table_try_again(result: dict) -> str:
+    k = result["attempts"]
     head = f"| trained with | steps | turns per episode | training s | accuracy at 1 attempt | at {k} attempts |"
     mean = lambda acc: 100 * statistics.mean(acc.values())  # noqa: E731
     lines = [head, "| --- | --- | --- | --- | --- | --- |",
@@ -94,10 +100,10 @@ def check_try_again(args, tmp: Path) -> tuple[dict, str]:
     for name, r in result["runs"].items():
         lines.append(f"| {name} | {r['steps']} | {r['turns_mean']:.2f} | {r['train_time_s']:.0f} | "
                      f"{mean(r['after']['at_1']):.1f}% | {mean(r['after'][f'at_{k}']):.1f}% |")
-    return result, "\n".join(lines)
+    return "\n".join(lines)
 
 
-def check_pcgrad(args, tmp: Path) -> tuple[dict, str]:
+def check_pcgrad(args, tmp: Path) -> dict:
     result = {"tasks": args.tasks, "runs": {}}
     base = config(args.config, args.common, args.tasks)
     result["before"] = accuracy(base, base.model.name)
@@ -112,21 +118,33 @@ def check_pcgrad(args, tmp: Path) -> tuple[dict, str]:
             "steps": summary["steps"], "samples": samples, "train_time_s": summary["train_time_s"],
             "cosine": cos, "norms": norms, "after": accuracy(cfg, ckpt),
         }
-    names = args.tasks
-    head = ["gradient surgery", "samples", "training s", "cosine mean (min, max)", "steps with cosine < 0",
-            *[f"{n} before → after" for n in names]]
+    return result
+
+
+def both_moved(run: dict) -> list[float]:
+    """The cosines of the steps where both tasks had a gradient (a task whose groups all agreed, or that was
+    not drawn, has none, and its cosine is logged as 0)."""
+    (cos,) = run["cosine"].values()
+    norms = list(run["norms"].values())
+    return [c for i, c in enumerate(cos) if all(n[i] > 0 for n in norms)]
+
+
+def table_pcgrad(result: dict) -> str:
+    names = result["tasks"]
+    head = ["gradient surgery", "samples", "training s", "steps with both tasks' gradients",
+            "cosine mean (min, max)", "of them cosine < 0", *[f"{n} before → after" for n in names]]
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---" for _ in head) + " |"]
     for surgery, r in result["runs"].items():
-        values = [v for vs in r["cosine"].values() for v in vs]
+        values = both_moved(r)
+        logged = len(next(iter(r["cosine"].values())))
         cos = (f"{statistics.mean(values):+.3f} ({min(values):+.3f}, {max(values):+.3f})" if values else "none")
-        negative = f"{sum(v < 0 for v in values)} of {len(values)}"
         accs = [f"{100 * result['before'][n]:.1f} → {100 * r['after'][n]:.1f}%" for n in names]
-        lines.append(f"| {surgery} | {r['samples']} | {r['train_time_s']:.0f} | {cos} | {negative} | "
-                     + " | ".join(accs) + " |")
-    return result, "\n".join(lines)
+        lines.append(f"| {surgery} | {r['samples']} | {r['train_time_s']:.0f} | {len(values)} of {logged} | {cos} | "
+                     f"{sum(v < 0 for v in values)} | " + " | ".join(accs) + " |")
+    return "\n".join(lines)
 
 
-def check_off_policy(args, tmp: Path) -> tuple[dict, str]:
+def check_off_policy(args, tmp: Path) -> dict:
     base = config(args.config, args.common)
     result = {"eta": args.eta, "before": accuracy(base, base.model.name), "runs": {}}
     for correction in args.corrections:
@@ -144,6 +162,10 @@ def check_off_policy(args, tmp: Path) -> tuple[dict, str]:
             "skipped_updates": sum(series(rows, "skipped_updates")),
             "per_step": {k: series(rows, k) for k in keys}, "after": accuracy(cfg, ckpt),
         }
+    return result
+
+
+def table_off_policy(result: dict) -> str:
     lines = ["| off_policy | held-out after | mismatch KL (mean, max) | beyond band (mean) | max abs log-ratio "
              "| staleness (mean) | grad norm (max) | entropy (last) | skipped updates |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -159,10 +181,11 @@ def check_off_policy(args, tmp: Path) -> tuple[dict, str]:
                      f"{stat('mismatch/abs_log_ratio/max', max)} | {stat('staleness/mean', statistics.mean)} | "
                      f"{stat('grad_norm', max)} | {stat('entropy', lambda v: v[-1])} | {r['skipped_updates']:.0f} |")
     before = 100 * statistics.mean(result["before"].values())
-    return result, f"Held-out before training: {before:.1f}%.\n\n" + "\n".join(lines)
+    return f"Held-out before training: {before:.1f}%.\n\n" + "\n".join(lines)
 
 
-CHECKS = {"try-again": check_try_again, "pcgrad": check_pcgrad, "off-policy": check_off_policy}
+CHECKS = {"try-again": (check_try_again, table_try_again), "pcgrad": (check_pcgrad, table_pcgrad),
+          "off-policy": (check_off_policy, table_off_policy)}
 
 
 def main() -> None:
@@ -180,6 +203,7 @@ def main() -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for every run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "algorithm_checks")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "algorithms.md")
+    p.add_argument("--table-only", action="store_true", help="only rewrite the doc's table from --out's JSON")
     args = p.parse_args()
     if args.config is None:
         args.config = ROOT / "configs" / ("cascade.yaml" if args.check == "pcgrad" else "quickstart.yaml")
@@ -188,17 +212,24 @@ def main() -> None:
     if args.eval_n is not None:
         args.common += [f"tasks.{i}.eval_size={args.eval_n}" for i in range(len(cfg.tasks))]
 
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=f"{args.check}-") as tmp:
-        result, table = CHECKS[args.check](args, Path(tmp))
-    shown = args.config.resolve().relative_to(ROOT) if args.config.resolve().is_relative_to(ROOT) else args.config
-    result.update(config=str(shown), steps=args.steps, seed=args.seed, eval_n=args.eval_n,
-                  machine=machine(), date=time.strftime("%Y-%m-%d"),
-                  wall_s=time.perf_counter() - t0)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.check.replace('-', '_')}.json").write_text(json.dumps(result, indent=2))
-    intro = (f"`python benchmarks/algorithm_checks.py {args.check}`: `{shown}`, {args.steps} steps per run, seed "
-             f"{args.seed}, greedy held-out accuracy (mean over tasks); {result['machine']}, {result['date']}.\n\n")
+    path = args.out / f"{args.check.replace('-', '_')}.json"
+    run_check, make_table = CHECKS[args.check]
+    if args.table_only:
+        result = json.loads(path.read_text())
+    else:
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix=f"{args.check}-") as tmp:
+            result = run_check(args, Path(tmp))
+        shown = args.config.resolve().relative_to(ROOT) if args.config.resolve().is_relative_to(ROOT) else args.config
+        result.update(config=str(shown), steps=args.steps, seed=args.seed, eval_n=args.eval_n, machine=machine(),
+                      date=time.strftime("%Y-%m-%d"), wall_s=time.perf_counter() - t0)
+        args.out.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2))
+    items = f"{result['eval_n']} held-out items per task" if result["eval_n"] else "the config's held-out items"
+    intro = (f"`python benchmarks/algorithm_checks.py {args.check}`: `{result['config']}`, {result['steps']} steps "
+             f"per run, seed {result['seed']}, greedy accuracy on {items}; {result['machine']}, "
+             f"{result['date']}.\n\n")
+    table = make_table(result)
     replace_block(args.doc, f"<!-- check:{args.check}:start -->", f"<!-- check:{args.check}:end -->",
                   intro + table + "\n", f"Check: {args.check}")
     print(intro + table)
