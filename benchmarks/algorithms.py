@@ -151,6 +151,9 @@ def sweep_markdown(results: dict) -> str:
             lines.append(f"| {name} | failed |" + " |" * (len(head) - 2))
             continue
         best = max(means, key=means.get)
+        done = sum(len(v) for v in finals.values())
+        if done < len(lrs) * len(results["seeds"]):
+            name = f"{name} ({done} of {len(lrs) * len(results['seeds'])} runs)"
         runs = [r for r in by_lr[str(best)].values() if "curve" in r]
         per_step = sum(r["train_time_s"] for r in runs) / sum(r["steps"] for r in runs)
         cells = [name, f"{best:g}", f"{100 * means[best]:.1f}%",
@@ -196,7 +199,7 @@ def merge_sweeps(paths: list[Path], out: Path, doc: Path, block: str) -> None:
     for path, part in zip(paths, parts, strict=True):
         if any(part.get(k) != parts[0].get(k) for k in settings):
             raise SystemExit(f"{path}: another sweep's settings ({', '.join(settings)} differ from {paths[0]})")
-    merged = {**parts[0], "sweep": {}, "merged_from": [str(p) for p in paths]}
+    merged = {**parts[0], "sweep": {}, "merged_from": [p.name for p in paths]}
     for part in parts:
         merged["sweep"].update(part["sweep"])
     out.parent.mkdir(parents=True, exist_ok=True)
