@@ -106,6 +106,11 @@ def test_api_lists_and_decodes_a_real_run(served, smoke_run, tokenizer):
     assert tr["special"][0] is (ids[0] in tokenizer.all_special_ids)
     assert len(tr["group"]) == PER_GROUP and tr["i"] in [g["i"] for g in tr["group"]]
     assert all(g["step"] == tr["step"] and g["group_id"] == tr["group_id"] for g in tr["group"])
+    # the step's engine/learner mismatch beside the sample, as logged in metrics.jsonl for that step
+    logged = [json.loads(x) for x in (smoke_run / "metrics.jsonl").read_text().splitlines()]
+    row = next(r for r in logged if r["step"] == tr["step"])
+    assert tr["step_metrics"] and tr["step_metrics"] == {k: v for k, v in row.items() if k.startswith("mismatch/")
+                                                          or k.startswith("staleness/") or k.startswith("off_policy/")}
 
     status, run = served.get("/api/run")
     assert run["model"] == "tiny-random" and run["summary"]["steps"] == 2 and "name: smoke" in run["config"]
@@ -245,6 +250,7 @@ def test_page_filters_and_opens_a_trajectory(browser_page, served, smoke_run, tm
     page.wait_for_selector("#tokens .tok.model")
     _, tr = served.get("/api/trajectory/5")
     assert "step 2" in page.inner_text("#detail-title") and page.url.endswith("#t=5")
+    assert "mismatch/kl" in page.inner_text("#step-metrics")  # the step's engine/learner mismatch
     assert page.locator("#tokens .tok.prompt").count() == tr["prompt_len"]
     assert page.locator("#tokens .tok.model").count() == sum(tr["loss_mask"])
     assert page.locator("#tokens .tok").evaluate_all(

@@ -329,9 +329,33 @@ class _Handler(BaseHTTPRequestHandler):
             special=[i in tokens.special_ids for i in ids],
             prompt_len=next((j for j, m in enumerate(record.get("loss_mask") or []) if m), len(ids)),
             group=index.group(index.rows[int(key)]),
+            step_metrics=step_metrics(index.run_dir, record.get("step")),
             **branch_fields(record),
         )
         self._json(record)
+
+
+STEP_METRIC_PREFIXES = ("mismatch/", "staleness/", "off_policy/")
+"""The step's metrics shown beside a trajectory: how far the engine that sampled it was from the learner."""
+
+
+def step_metrics(run_dir: Path, step: Any) -> dict[str, float]:
+    """The ``STEP_METRIC_PREFIXES`` metrics of ``step`` in RUN_DIR/metrics.jsonl (its last row for that step,
+    as a resumed run rewrites steps); empty when there are none or the file is missing or torn."""
+    path = run_dir / "metrics.jsonl"
+    found: dict[str, float] = {}
+    if not isinstance(step, int) or not path.is_file():
+        return found
+    with path.open("rb") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and row.get("step") == step:
+                found = {k: _finite(v) for k, v in row.items()
+                         if k.startswith(STEP_METRIC_PREFIXES) and isinstance(v, int | float)}
+    return found
 
 
 def make_server(run_dir: Path, host: str = "127.0.0.1", port: int = 0) -> ViewerServer:

@@ -234,6 +234,11 @@ function renderDetail(tr) {
   for (const f of FLAGS) if (tr[f]) fact(f.replace("_", " "), "yes", "flagged");
   for (const [k, v] of Object.entries(tr.info || {})) fact(k, typeof v === "object" ? JSON.stringify(v) : fmt(v));
   d.append(facts);
+  const stepMetrics = Object.entries(tr.step_metrics || {});
+  if (stepMetrics.length) {  // the step's engine/learner mismatch: how off-policy this sample's update was
+    const line = stepMetrics.map(([k, v]) => `${k} ${fmt(v)}`).join(" · ");
+    d.append(el("p", { class: "legend", id: "step-metrics", text: `step ${tr.step}: ${line}` }));
+  }
 
   if ((tr.turn_spans || []).length > 1 || tr.branch_at !== undefined) {
     const spans = (tr.turn_spans || []).map((s, k) => `turn ${k + 1}: tokens ${s[0]}–${s[1] - 1}`).join(" · ");
