@@ -335,6 +335,11 @@ class TrainConfig(_Strict):
     """Where the policy, reference, critic, teachers, judge and the hf engine live: cuda when available under
     auto. On cuda, bf16 is native autocast on the GPU (float32 master weights); the CPU keeps its fused path."""
 
+    @property
+    def last_step(self) -> int:
+        """The step this run stops after: ``steps``, or ``stop_at_step`` when that comes first."""
+        return min(self.steps, self.stop_at_step or self.steps)
+
 
 class LearnerConfig(_Strict):
     """The data-parallel learner (docs/scaling.md): ``world_size`` ranks under torch.distributed, the policy

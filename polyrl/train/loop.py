@@ -77,11 +77,10 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     samples = TrajectoryWriter(run_dir, config.logging.trajectories_per_group if ranks.is_main else 0, resume_step)
     step, skipped_in_row = start, 0
     budget_s = config.train.max_minutes * 60 if config.train.max_minutes else float("inf")
-    last_step = min(config.train.steps, config.train.stop_at_step or config.train.steps)
     stepper = make_stepper(run, start)  # runtime.kind: local (rl_step), async or ray
     try:
         with TrainProgress(config.train.steps, config.logging.progress and ranks.is_main, start) as progress:
-            while step < last_step and train_time < budget_s:
+            while step < config.train.last_step and train_time < budget_s:
                 step += 1
                 metrics, trajectories = stepper.step(step)
                 # The slowest rank's time, so every rank's time budget ends at the same step.

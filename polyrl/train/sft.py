@@ -103,9 +103,8 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
     n = config.rollout.prompts_per_step * config.rollout.group_size
     logger = open_metrics_logger(config, run_dir, start if ckpt is not None else None)
     step, last_loss = start, float("nan")
-    last_step = min(config.train.steps, config.train.stop_at_step or config.train.steps)
     try:
-        while step < last_step:
+        while step < config.train.last_step:
             step += 1
             t0 = time.perf_counter()
             faults.point("sft", step)
