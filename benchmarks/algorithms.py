@@ -12,7 +12,8 @@ markers) and docs/algorithms.png; the raw numbers into benchmarks/results/algori
     python benchmarks/algorithms.py --steps 20 --lrs 1e-5 3e-5 1e-4 --seeds 0 1 \
         --json benchmarks/results/algorithms_sweep.json             # the learning-rate sweep (hours on 2 cores)
     python benchmarks/algorithms.py --merge part1.json part2.json \
-        --json benchmarks/results/algorithms_sweep.json             # a sweep split over processes with --only
+        --json benchmarks/results/algorithms_sweep.json             # a sweep split over processes (--only
+                                                                    # or --seeds), or resumed with --resume
 
 With one epoch per batch the importance ratio is exactly 1, where PPO-clip, GSPO and CISPO give the same
 gradient; so gspo and cispo run two epochs per batch here, where their ratios differ.
@@ -168,10 +169,15 @@ def main_sweep(args: argparse.Namespace, results: dict) -> None:
     """Every algorithm at every learning rate and seed for ``args.steps`` updates."""
     results.update({"steps": args.steps, "lrs": args.lrs, "seeds": args.seeds, "eval_n": args.eval_n,
                     "sweep": {}})
+    done = _finished_runs(args.resume, results) if args.resume else {}
     base_acc = None
     for name in args.only or list(ALGORITHMS):
         for lr in args.lrs:
             for seed in args.seeds:
+                if (name, str(lr), str(seed)) in done:
+                    results["sweep"].setdefault(name, {}).setdefault(str(lr), {})[str(seed)] = \
+                        done[name, str(lr), str(seed)]
+                    continue
                 t0 = time.perf_counter()
                 try:
                     res = run_steps(args.config, name, args.steps, args.points, args.eval_n,
@@ -191,17 +197,35 @@ def main_sweep(args: argparse.Namespace, results: dict) -> None:
     print(table)
 
 
+SWEEP_SETTINGS = ("config", "steps", "lrs", "eval_n")
+
+
+def _finished_runs(path: Path, results: dict) -> dict[tuple[str, str, str], dict]:
+    """The runs that finished in an earlier sweep file of the same settings, by (algorithm, lr, seed)."""
+    earlier = json.loads(path.read_text())
+    if any(earlier.get(k) != results.get(k) for k in SWEEP_SETTINGS):
+        raise SystemExit(f"{path}: another sweep's settings ({', '.join(SWEEP_SETTINGS)} differ)")
+    return {(name, lr, seed): run for name, by_lr in earlier["sweep"].items() for lr, runs in by_lr.items()
+            for seed, run in runs.items() if "curve" in run}
+
+
 def merge_sweeps(paths: list[Path], out: Path, doc: Path, block: str) -> None:
-    """One sweep from several partial ones of the same settings (each algorithm's runs from whichever file
-    has them), its JSON and its table."""
+    """One sweep from several partial ones of the same settings (split by algorithm or by seed): each run
+    from whichever file finished it, its JSON and its table."""
     parts = [json.loads(p.read_text()) for p in paths]
-    settings = ("config", "steps", "lrs", "seeds", "eval_n")
     for path, part in zip(paths, parts, strict=True):
-        if any(part.get(k) != parts[0].get(k) for k in settings):
-            raise SystemExit(f"{path}: another sweep's settings ({', '.join(settings)} differ from {paths[0]})")
-    merged = {**parts[0], "sweep": {}, "merged_from": [p.name for p in paths]}
+        if any(part.get(k) != parts[0].get(k) for k in SWEEP_SETTINGS):
+            raise SystemExit(f"{path}: another sweep's settings ({', '.join(SWEEP_SETTINGS)} differ from "
+                             f"{paths[0]})")
+    seeds = sorted({seed for part in parts for seed in part["seeds"]})
+    merged = {**parts[0], "seeds": seeds, "sweep": {}, "merged_from": [p.name for p in paths]}
     for part in parts:
-        merged["sweep"].update(part["sweep"])
+        for name, by_lr in part["sweep"].items():
+            for lr, runs in by_lr.items():
+                for seed, run in runs.items():
+                    slot = merged["sweep"].setdefault(name, {}).setdefault(lr, {})
+                    if "curve" in run or seed not in slot:  # a finished run wins over a failed one
+                        slot[seed] = run
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(merged, indent=2))
     table = sweep_markdown(merged)
@@ -280,6 +304,9 @@ def main() -> None:
     p.add_argument("--merge", type=Path, nargs="+", default=None,
                    help="only join these sweep JSONs (e.g. runs split with --only over processes) into --json "
                         "and write their table")
+    p.add_argument("--resume", type=Path, default=None,
+                   help="a sweep: take the runs this earlier sweep JSON of the same settings finished instead "
+                        "of running them again")
     args = p.parse_args()
     if args.merge:
         merge_sweeps(args.merge, args.json, args.doc, args.block)
