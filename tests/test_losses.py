@@ -191,6 +191,30 @@ def test_dppo_topk_divergence_by_hand():
     assert topk_divergence(logits, ids, logq, "kl").item() == pytest.approx(0.025815, abs=1e-6)
 
 
+def test_dppo_topk_in_the_learner_anchors_on_the_policy_at_the_update_start():
+    ts = fake_trajectories()
+    # one epoch: the anchor is the pass itself, so every token is inside the region
+    m = make_learner(loss="dppo", loss_kwargs={"anchor": "old", "topk": 4}, track_kl=False).update(ts)
+    assert m["dppo/divergence"] == 0.0 and m["clip_frac"] == 0.0
+    # two epochs: the second measures against the first pass's top-k. With K = the whole vocabulary (64) the
+    # top-k TV is the full TV, never below the binary TV of the sampled token (the same first step in both).
+    binary = make_learner(lr=5e-2, loss="dppo", loss_kwargs={"anchor": "old"}, epochs=2, track_kl=False).update(ts)
+    full = make_learner(lr=5e-2, loss="dppo", loss_kwargs={"anchor": "old", "topk": 64}, epochs=2,
+                        track_kl=False).update(ts)
+    assert full["dppo/divergence"] > binary["dppo/divergence"] > 0.0
+
+
+def test_dppo_topk_config_errors_name_the_key():
+    from polyrl.algorithms.validate import check_algorithm
+    from polyrl.config import AlgorithmConfig
+
+    for kwargs, words in (({"topk": 4}, "needs anchor: old"), ({"anchor": "old", "topk": -1}, "must be >= 0"),
+                          ({"anchor": "old", "topk": "x"}, "a whole number")):
+        with pytest.raises(ValueError, match="algorithm.loss_kwargs") as err:
+            check_algorithm(AlgorithmConfig(loss="dppo", loss_kwargs=kwargs))
+        assert words in str(err.value) and "\n" not in str(err.value)
+
+
 def test_dppo_in_the_learner_takes_the_behaviour_log_probs():
     ts = fake_trajectories()  # behaviour log-probs 0 (probability 1): every token moved down by > 0.2 TV
     m = make_learner(loss="dppo", track_kl=False).update(ts)

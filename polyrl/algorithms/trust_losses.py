@@ -71,6 +71,9 @@ def dppo_loss(
     behaviour_logp: torch.Tensor | None = None,
     divergence: str = "tv",
     anchor: str = "behaviour",
+    topk: int = 0,
+    logits: torch.Tensor | None = None,
+    anchor_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """DPPO (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning", the DPPO objective
     with the binary approximation): PPO's ratio clip replaced by a trust region on the divergence D_t between
@@ -86,14 +89,27 @@ def dppo_loss(
     ``anchor``: behaviour (the sampling engine's log-probs, the paper's choice; it also bounds the
     engine/learner mismatch) or old (``old_logp``, the policy at the update's start). ``clip_low`` and
     ``clip_high`` are the region's size in the chosen divergence (for kl, much smaller than for tv).
+
+    ``topk`` > 0: D_t is the top-K approximation (``topk_divergence``, Sec. 4.2) instead of the binary one,
+    from the policy's ``logits`` [B, T, V] and the anchor's K most likely tokens ``anchor_topk`` (ids and
+    log-probs, [B, T, K]), which the learner keeps from the update's first pass. Only ``anchor: old``: the
+    engines return the sampled token's log-prob, not the behaviour policy's top K.
     """
     if divergence not in ("tv", "kl") or anchor not in ("behaviour", "old"):
         raise ValueError(f"dppo needs divergence tv|kl and anchor behaviour|old, got {divergence}, {anchor}")
+    if topk < 0 or (topk > 0 and anchor != "old"):
+        raise ValueError(f"dppo's topk must be >= 0 and needs anchor: old (the engines keep only the sampled "
+                         f"token's log-prob), got topk={topk}, anchor={anchor}")
+    if topk > 0 and (logits is None or anchor_topk is None):
+        raise ValueError("dppo with topk > 0 needs the policy's logits and the anchor's top-k")
     ref = behaviour_logp if anchor == "behaviour" and behaviour_logp is not None else old_logp
     adv = _per_token(advantages).expand_as(logp)
     ratio = torch.exp(logp - old_logp)
     with torch.no_grad():
-        d = binary_divergence(logp.detach(), ref.detach(), divergence)
+        if topk > 0:
+            d = topk_divergence(logits.detach(), *anchor_topk, divergence)
+        else:
+            d = binary_divergence(logp.detach(), ref.detach(), divergence)
         up, down = logp.detach() > ref, logp.detach() < ref
         outside = ((adv > 0) & up & (d > clip_high)) | ((adv < 0) & down & (d > clip_low))
     obj = torch.where(outside, torch.zeros_like(ratio), ratio * adv)

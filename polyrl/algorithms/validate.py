@@ -6,6 +6,7 @@ A wrong keyword or value fails at config load with one line naming the key, not 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ from polyrl.algorithms.mismatch import CORRECTIONS
 
 # Arguments the framework passes itself; a kwargs entry may not override them.
 LOSS_ARGS = ("logp", "old_logp", "advantages", "mask", "clip_low", "clip_high", "agg", "num_tokens",
-             "behaviour_logp")
+             "behaviour_logp", "logits", "anchor_topk")
 ADVANTAGE_ARGS = ("rewards", "group_ids")
 CORRECTION_ARGS = ("proximal_logp", "behaviour_logp", "mask")
 
@@ -40,6 +41,17 @@ def check_kwargs(
 def takes_behaviour(loss_fn: Callable) -> bool:
     """Whether the learner passes the sampler's log-probs to this loss (``behaviour_logp`` in its signature)."""
     return "behaviour_logp" in inspect.signature(loss_fn).parameters
+
+
+def anchor_topk_size(loss_fn: Callable, loss_kwargs: dict[str, Any]) -> int:
+    """K when the learner passes this loss the policy's logits and the top-K tokens of the policy at the
+    update's start (``anchor_topk`` in its signature and ``loss_kwargs.topk`` > 0), else 0."""
+    if "anchor_topk" not in inspect.signature(loss_fn).parameters:
+        return 0
+    k = loss_kwargs.get("topk", 0)
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise ValueError(f"algorithm.loss_kwargs.topk: a whole number of tokens, got {k!r}")
+    return k
 
 
 def _probe(
@@ -68,6 +80,9 @@ def check_algorithm(algo: Any) -> None:
     common = {"clip_low": algo.clip_low, "clip_high": algo.clip_high, "agg": algo.loss_agg, "num_tokens": 4.0}
     if takes_behaviour(loss_fn):
         common["behaviour_logp"] = logp - 0.2
+    if anchor_topk_size(loss_fn, algo.loss_kwargs) > 0:  # a 3-token vocabulary, the anchor's top 1
+        common["logits"] = torch.log(torch.tensor([0.5, 0.3, 0.2])).expand(2, 2, 3)
+        common["anchor_topk"] = (torch.zeros(2, 2, 1, dtype=torch.long), torch.full((2, 2, 1), math.log(0.4)))
     _probe(loss_fn, loss_args, common, algo.loss_kwargs, "algorithm.loss_kwargs", loss_what)
     check_correction(algo)
 

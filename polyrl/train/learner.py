@@ -12,8 +12,9 @@ import torch
 from transformers import PreTrainedModel
 
 from polyrl.algorithms.gae import ValueHead
-from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED
+from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED, LOSSES
 from polyrl.algorithms.mismatch import mismatch_sums
+from polyrl.algorithms.validate import anchor_topk_size
 from polyrl.config import AlgorithmConfig, LearnerConfig, OptimConfig
 from polyrl.models.forward import enable_activation_checkpointing
 from polyrl.parallel.fsdp import clip_grad_norm, shard_module
@@ -44,6 +45,9 @@ class _Plan:
     """The KL reference's log-probs per micro-batch, when kept."""
     old: list[tuple[torch.Tensor, torch.Tensor | None]] | None
     """Log-probs and values before the update, when there are several epochs."""
+    old_topk: list[tuple[torch.Tensor, torch.Tensor]] | None
+    """The top-k token ids and log-probs before the update, when there are several epochs and the loss
+    reads them (DPPO's top-k divergence)."""
     rewards: torch.Tensor
     cross: torch.Tensor
     """[N] bool: rows another policy sampled (``rollout.cross_policy``)."""
@@ -88,6 +92,7 @@ class Learner:
         self.device = next(model.parameters()).device
         self.is_lora = hasattr(model, "disable_adapter")
         self.wants_reference = algo.kl_coef > 0 or algo.track_kl
+        self.anchor_topk = anchor_topk_size(LOSSES[algo.loss], algo.loss_kwargs)
         # The KL reference: with LoRA, the same weights with adapters off; otherwise a frozen copy.
         self.ref_model = None
         if self.wants_reference and not self.is_lora:
@@ -194,12 +199,15 @@ class Learner:
             micro_batches = [mb.to(self.device) for mb in micro_batches]
             chunks = [c.to(self.device) for c in chunks]
         ref = [self._reference_logprobs(mb) for mb in micro_batches] if self.wants_reference else None
-        old = None
+        old = old_topk = None
         if self.algo.epochs > 1:  # several passes need the pre-update log-probs (and values) fixed up front
             with torch.no_grad():
-                old = [(f[0], f[2]) for f in map(self._forward, micro_batches)]
+                passes = list(map(self._forward, micro_batches))
+            old = [(f[0], f[2]) for f in passes]
+            if self.anchor_topk:
+                old_topk = [self._topk(f[3]) for f in passes]
         return _Plan(
-            micro_batches, chunks, real, real_total, ref, old,
+            micro_batches, chunks, real, real_total, ref, old, old_topk,
             rewards=torch.tensor([t.reward for t in trajectories], dtype=torch.float32, device=self.device),
             cross=torch.tensor([bool(t.info.get("cross_policy")) for t in trajectories], device=self.device),
             tasks=[t.task for t in trajectories], n_rows=len(trajectories),
@@ -223,6 +231,9 @@ class Learner:
             logp, entropy, values, logits = self._forward(mb, entropy_grad=algo.entropy_coef != 0)
             old_logp, old_values = plan.old[k] if plan.old is not None else (logp.detach(), detach(values))
             ref_logp = plan.ref[k] if plan.ref is not None else None
+            anchor_topk = None
+            if self.anchor_topk:  # one epoch: the policy at the update's start is this pass's
+                anchor_topk = plan.old_topk[k] if plan.old_topk is not None else self._topk(logits)
             advantages = token_advantages(algo, mb, plan.rewards[c], old_logp, ref_logp, old_values, plan.cross[c],
                                           self.is_cap, self.replay_is_cap)
             if epoch == 0 and plan.real[k]:  # another model's rows (cross-policy) are no engine mismatch
@@ -230,7 +241,7 @@ class Learner:
                 add_sums(metrics.mismatch, mismatch_sums(old_logp, mb.behaviour_logp, own, algo.mismatch_band))
             teacher_logits, teacher_rows = self._teacher_logits(mb, logits, [plan.tasks[i] for i in c.tolist()])
             x = LossInputs(mb, logp, entropy, values, logits, ref_logp, old_values, advantages, teacher_logits,
-                           teacher_rows, plan.num_tokens, share)
+                           teacher_rows, plan.num_tokens, share, anchor_topk)
             terms = [term(algo, x) for term in LOSS_TERMS]
             loss = sum(t.loss for t in terms if t.loss is not None)  # policy + entropy + distill + KL + value
             loss.backward()
@@ -304,8 +315,15 @@ class Learner:
         self, batch: Batch, entropy_grad: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Policy log-probs, entropy, the value of each response position when there is a critic, and the
-        logits when distillation needs them (``PolicyPass``)."""
-        return self.policy_pass(batch, entropy_grad, logits=bool(self.teachers) and self.algo.distill_coef > 0)
+        logits when distillation or the loss's top-k divergence needs them (``PolicyPass``)."""
+        distilling = bool(self.teachers) and self.algo.distill_coef > 0
+        return self.policy_pass(batch, entropy_grad, logits=distilling or self.anchor_topk > 0)
+
+    def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``anchor_topk`` most likely tokens at each position and their log-probs, detached."""
+        k = min(self.anchor_topk, logits.shape[-1])
+        logp, ids = torch.log_softmax(logits.detach().float(), dim=-1).topk(k, dim=-1)
+        return ids, logp
 
     def _teacher_logits(
         self, mb: Batch, logits: torch.Tensor | None, tasks: list[str]

@@ -30,7 +30,7 @@ class LossInputs:
     values: torch.Tensor | None
     """[B, T] the critic's values (with gradient into the value head), when there is one."""
     logits: torch.Tensor | None
-    """[B, T, V] the policy's logits, when distilling."""
+    """[B, T, V] the policy's logits, when distilling or when the loss reads the anchor's top-k."""
     ref_logp: torch.Tensor | None
     """[B, T] the KL reference's log-probs, when kept."""
     old_values: torch.Tensor | None
@@ -43,6 +43,8 @@ class LossInputs:
     """The whole batch's loss tokens (token-mean normaliser)."""
     share: float
     """This micro-batch's weight in the batch loss: 1 under token-mean, its fraction of the rows otherwise."""
+    anchor_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    """([B, T, K] ids, [B, T, K] log-probs) of the policy at the update's start, when the loss reads them."""
 
 
 class Term(NamedTuple):
@@ -60,6 +62,8 @@ def policy_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
     kwargs = dict(algo.loss_kwargs)
     if takes_behaviour(loss_fn):
         kwargs["behaviour_logp"] = x.mb.behaviour_logp
+    if x.anchor_topk is not None:
+        kwargs["logits"], kwargs["anchor_topk"] = x.logits, x.anchor_topk
     adv = x.advantages
     pg_loss, metrics = loss_fn(x.logp, adv.ratio_logp, adv.advantages, adv.pg_mask, clip_low=algo.clip_low,
                                clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=x.num_tokens, **kwargs)
