@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ROOT
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from polyrl.config import LoraConfig
@@ -207,3 +208,28 @@ def test_unsupported_architectures_keep_the_transformers_path(tiny):
     assert not llama_decode.supports(LlamaForCausalLM(cfg))
     tok = load_tokenizer("tiny-random")
     assert HFEngine(tiny, tok, bf16_weights=True, fast_decode=False).fast is None
+
+
+def test_held_out_evaluation_runs_without_the_sampling_copy(monkeypatch, tmp_path):
+    # evaluate_all decodes on the policy's own weights: the engine's copy is released for it (its caches would
+    # come on top) and rebuilt afterwards, so sampling goes on exactly as before.
+    import polyrl.train.step as step_module
+    from polyrl.config_check import load_config
+
+    run = step_module.build_run(load_config(ROOT / "configs" / "smoke.yaml", ["model.bf16=true"]), tmp_path)
+    held = run.engine.fast.nbytes()
+    before = run.engine.generate(PROMPTS, n=2, max_new_tokens=6, temperature=1.0, seed=3)
+    during = []
+    real_evaluate = step_module.evaluate
+
+    def watched(engine, *args, **kwargs):
+        during.append((engine is run.engine, run.engine.fast.nbytes()))
+        return real_evaluate(engine, *args, **kwargs)
+
+    monkeypatch.setattr(step_module, "evaluate", watched)
+    step_module.evaluate_all(run)
+    assert during and all(not same and n < held / 10 for same, n in during)
+    assert run.engine.fast.nbytes() == held
+    after = run.engine.generate(PROMPTS, n=2, max_new_tokens=6, temperature=1.0, seed=3)
+    assert [c.token_ids for g in after for c in g] == [c.token_ids for g in before for c in g]
+    assert [c.logprobs for g in after for c in g] == [c.logprobs for g in before for c in g]

@@ -282,12 +282,27 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
 def evaluate_all(run: Run) -> dict[str, float]:
     """Greedy held-out accuracy per task, on the policy's own weights (no bf16 copy unless eval.bf16); under
     several learner ranks each evaluates its share of the items."""
+    cfg = run.config
+    if cfg.eval.bf16:
+        return _evaluate_tasks(run, run.engine)
+    # Weights stored in bf16 (LoRA's frozen base) need autocast; the rest of the policy is still evaluated as is.
+    engine = HFEngine(run.engine_model, run.tokenizer, bf16=holds_bf16_weights(run.engine_model))
+    # The sampling engine's copy of the weights idles meanwhile: it goes for the evaluation, whose caches would
+    # come on top of it, and its sync builds it again from the policy, as after an update.
+    release = getattr(run.engine, "release_memory", None)
+    if release is not None:
+        release()
+    try:
+        return _evaluate_tasks(run, engine)
+    finally:
+        if release is not None:
+            run.engine.sync()
+
+
+def _evaluate_tasks(run: Run, engine: HFEngine) -> dict[str, float]:
     cfg, ranks = run.config, current()
     trim_above(run.memory_budget)  # evaluation's caches come on top of everything training holds
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
-    policy = run.engine_model
-    # Weights stored in bf16 (LoRA's frozen base) need autocast; the rest of the policy is still evaluated as is.
-    engine = run.engine if cfg.eval.bf16 else HFEngine(policy, run.tokenizer, bf16=holds_bf16_weights(policy))
     accuracy = {}
     for name, task in run.tasks.items():
         if isinstance(task, AgentTask):  # the agent's own episodes, on the endpoint (one learner rank)
