@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +24,9 @@ from polyrl.models.loading import cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+STALE_LOCK_S = 600.0
+"""A build lock older than this was left by a process that died while building (a build takes about a minute).
+torch's builder waits on its lock file for ever, so every later run would hang at its first decode."""
 _state: dict[str, bool] = {}
 
 
@@ -47,18 +51,37 @@ def _build_dir() -> Path:
     return path
 
 
+def wait_for_build_lock(build_dir: Path, stale_s: float = STALE_LOCK_S) -> None:
+    """Wait while another process builds into ``build_dir``; a lock older than ``stale_s`` (its builder was
+    killed mid-build) is removed instead, so that this process builds."""
+    lock = build_dir / "lock"
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age > stale_s:
+            log.warning("removing %s, a native-kernel build lock left %.0f s ago by a process that did not "
+                        "finish its build", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        time.sleep(1.0)
+
+
 def _load() -> bool:
     if os.environ.get("POLYRL_NATIVE", "1") == "0":
         return False
     from torch.utils import cpp_extension
 
+    build_dir = _build_dir()
+    wait_for_build_lock(build_dir)
     try:
         cpp_extension.load(
             name="polyrl_native",
             sources=[str(s) for s in SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
-            build_directory=str(_build_dir()),
+            build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
         )
