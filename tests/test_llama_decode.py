@@ -201,6 +201,21 @@ def test_released_weights_are_rebuilt_by_sync(tiny):
     assert [c.logprobs for g in after for c in g] == [c.logprobs for g in fresh for c in g]
 
 
+def test_weights_released_until_used_are_rebuilt_by_the_next_decode(tiny):
+    # Evaluation releases the copy while a task may still sample from the engine (a self-play opponent).
+    tok = load_tokenizer("tiny-random")
+    policy = load_model("tiny-random", None, seed=0)
+    engine = HFEngine(policy, tok, bf16=True, bf16_weights=True)
+    before = engine.generate(PROMPTS, n=2, max_new_tokens=6, temperature=1.0, seed=2)
+    engine.release_memory(until_used=True)
+    assert engine.head_weight is None
+    after = engine.generate(PROMPTS, n=2, max_new_tokens=6, temperature=1.0, seed=2)
+    assert [c.token_ids for g in after for c in g] == [c.token_ids for g in before for c in g]
+    engine.release_memory()  # the learner's release: a decode before the sync is an error again
+    with pytest.raises(RuntimeError, match="released"):
+        engine.generate(PROMPTS, n=1, max_new_tokens=2)
+
+
 def test_unsupported_architectures_keep_the_transformers_path(tiny):
     cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu")

@@ -171,6 +171,8 @@ class HFEngine:
         # layer attends to all positions: windowed layers need transformers' own masks.
         self.mask_4d = not on_cpu and full_attention_only(policy)
         self.fast: llama_decode.LlamaDecoder | None = None
+        self.rebuild_on_use = False
+        """Released with ``until_used``: the next decode syncs first."""
         if bf16_weights and fast_decode and on_cpu and llama_decode.supports(policy):
             self.head_weight = policy.get_output_embeddings().weight.detach().clone()
             self.fast = llama_decode.LlamaDecoder(
@@ -185,13 +187,16 @@ class HFEngine:
             self.model = policy
             self.bf16 = bf16
 
-    def release_memory(self) -> None:
+    def release_memory(self, until_used: bool = False) -> None:
         """Free the fused decode path's copy of the weights until ``sync``, which rebuilds it layer by layer
         anyway: the learner's update, the step's highest memory, then runs without a second copy of the model.
+        A decode while released fails, unless ``until_used``: then it rebuilds the copy first (held-out
+        evaluation releases it, and a task may still sample from this engine, e.g. a self-play opponent).
         A no-op on the other paths (their copy is updated in place, or shared with the policy)."""
         if self.fast is not None:
             self.fast.release()
             self.head_weight = self.fast.head_weight = None
+            self.rebuild_on_use = until_used
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -236,6 +241,8 @@ class HFEngine:
         ``stop`` may end rows early (see ``StopFn``); ``entropy`` records each token's sampling entropy.
         Neither changes the tokens sampled while a row lives.
         """
+        if self.rebuild_on_use and self.head_weight is None:
+            self.sync()
         was_training = self.model.training
         self.model.eval()
         try:

@@ -288,14 +288,15 @@ def evaluate_all(run: Run) -> dict[str, float]:
     # Weights stored in bf16 (LoRA's frozen base) need autocast; the rest of the policy is still evaluated as is.
     engine = HFEngine(run.engine_model, run.tokenizer, bf16=holds_bf16_weights(run.engine_model))
     # The sampling engine's copy of the weights idles meanwhile: it goes for the evaluation, whose caches would
-    # come on top of it, and its sync builds it again from the policy, as after an update.
-    release = getattr(run.engine, "release_memory", None)
-    if release is not None:
-        release()
+    # come on top of it, and its sync builds it again from the policy, as after an update. A task that samples
+    # from it during evaluation (a self-play opponent) has it rebuilt on first use.
+    releases = isinstance(run.engine, HFEngine)
+    if releases:
+        run.engine.release_memory(until_used=True)
     try:
         return _evaluate_tasks(run, engine)
     finally:
-        if release is not None:
+        if releases:
             run.engine.sync()
 
 
