@@ -158,7 +158,7 @@ def sweep_markdown(results: dict) -> str:
         runs = [r for r in by_lr[str(best)].values() if "curve" in r]
         per_step = sum(r["train_time_s"] for r in runs) / sum(r["steps"] for r in runs)
         cells = [name, f"{best:g}", f"{100 * means[best]:.1f}%",
-                 f"{100 * min(finals[best]):.0f}-{100 * max(finals[best]):.0f}%",
+                 f"{100 * min(finals[best]):.1f}-{100 * max(finals[best]):.1f}%",
                  *[f"{100 * means[lr]:.1f}%" if lr in means else "failed" if str(lr) in by_lr else "not run"
                    for lr in lrs], f"{per_step:.1f}"]
         lines.append("| " + " | ".join(cells) + " |")
