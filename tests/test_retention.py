@@ -51,6 +51,9 @@ def test_validation_items_differ_from_the_reported_ones(tmp_path):
     ({"name": "r", "steps": 1, "until_within": 0.02}, "applies to distill stages"),
     ({"name": "r", "steps": 1, "replay_from": "all"}, "replay_from needs replay"),
     ({"name": "r", "steps": 1, "replay": 0.5, "replay_from": "later"}, "replay_from"),
+    ({"name": "d", "kind": "distill", "steps": 1, "focus": 0.1}, "focus needs until_within"),
+    ({"name": "d", "kind": "distill", "steps": 1, "until_within": 0.0, "focus": -1}, "focus"),
+    ({"name": "d", "kind": "distill", "steps": 1, "rollout": {"group_sise": 2}}, "group_sise"),
 ])
 def test_retention_keys_on_the_wrong_stage_are_config_errors(tmp_path, bad, msg):
     with pytest.raises(Exception, match=msg):
@@ -150,6 +153,41 @@ def test_distill_at_the_end_of_its_budget_keeps_the_best_part(tmp_path, monkeypa
     assert [p["steps"] for p in row["early_stop"]["parts"]] == [0, 2, 3] and row["steps"] == 3
     assert row["early_stop"]["kept_part"] == 1
     assert row["checkpoint"].endswith("2-distill/checkpoints/step-2")
+
+
+def test_focus_weights_scale_each_task_by_its_shortfall_in_points():
+    target = {"a": 0.60, "b": 0.50, "c": 0.40}
+    accuracy = {"a": 0.50, "b": 0.50, "c": 0.45}
+    # a: 10 points short -> 2 * (1 + 0.1 * 10) = 4; b: level -> 1; c: above its target -> unchanged 3.
+    weights = retention.focus_weights({"a": 2.0, "b": 1.0, "c": 3.0}, accuracy, target, 0.1)
+    assert weights == pytest.approx({"a": 4.0, "b": 1.0, "c": 3.0})
+
+
+def test_distill_with_focus_samples_the_task_furthest_behind_more_and_takes_its_rollout(tmp_path, monkeypatch):
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+              {"name": "distill", "kind": "distill", "steps": 4, "until_within": 0.0, "eval_every": 2,
+               "focus": 0.1, "rollout": {"prompts_per_step": 3, "group_size": 2}}]
+    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
+    validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.5},
+                  "1-rl_a/checkpoints/step-1": {"chain_sum": 0.6, "basic_arithmetic": 0.3},
+                  "2-distill/checkpoints/step-2": {"chain_sum": 0.55, "basic_arithmetic": 0.45},
+                  "2-distill/checkpoints/step-4": {"chain_sum": 0.6, "basic_arithmetic": 0.5}}
+    held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.5}, {"chain_sum": 0.6, "basic_arithmetic": 0.3},
+                {"chain_sum": 0.6, "basic_arithmetic": 0.5}]
+    monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, validation))
+    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
+    row = state["rows"][2]
+    parts = row["early_stop"]["parts"]
+    # Start: basic_arithmetic 20 points below its teacher (the base model) -> weight 1 + 0.1 * 20 = 3.
+    assert parts[0]["next_weights"] == pytest.approx({"chain_sum": 1.0, "basic_arithmetic": 3.0})
+    # After 2 steps both are 5 points short -> 1.5 each; after 4 both are level, and the stage stops.
+    assert parts[1]["next_weights"] == pytest.approx({"chain_sum": 1.5, "basic_arithmetic": 1.5})
+    assert [p["steps"] for p in parts] == [0, 2, 4] and "next_weights" not in parts[2]
+    assert row["samples"] == 4 * 3 * 2  # the stage's own rollout, not the top level's 2 x 2
+    part_cfg = yaml.safe_load((tmp_path / "run/stages/2-distill/config.yaml").read_text())
+    assert part_cfg["rollout"]["prompts_per_step"] == 3
+    assert {t["name"]: t["weight"] for t in part_cfg["tasks"]} == pytest.approx({"chain_sum": 1.5,
+                                                                                  "basic_arithmetic": 1.5})
 
 
 def test_a_run_stopped_and_resumed_with_stop_at_step_equals_one_run(tmp_path):

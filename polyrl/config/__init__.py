@@ -116,14 +116,16 @@ class Config(_Strict):
                 unknown = [n for n in picked if n not in names]
                 if unknown:
                     raise ValueError(f"stages.{i}.{key}: unknown task '{unknown[0]}'; tasks: {', '.join(names)}")
-            try:
-                AlgorithmConfig.model_validate({**self.algorithm.model_dump(), **stage.algorithm})
-            except ValidationError as err:
-                first = err.errors()[0]
-                where = ".".join(str(p) for p in first["loc"])
-                msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
-                msg = msg.removeprefix("Value error, ")
-                raise ValueError(f"stages.{i}.algorithm{'.' + where if where else ''}: {msg}") from None
+            for key, section, overrides in (("algorithm", self.algorithm, stage.algorithm),
+                                            ("rollout", self.rollout, stage.rollout)):
+                try:
+                    type(section).model_validate({**section.model_dump(), **overrides})
+                except ValidationError as err:
+                    first = err.errors()[0]
+                    where = ".".join(str(p) for p in first["loc"])
+                    msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+                    msg = msg.removeprefix("Value error, ")
+                    raise ValueError(f"stages.{i}.{key}{'.' + where if where else ''}: {msg}") from None
         if not self.stages and self.algorithm.distill_coef > 0 and not any(t.teacher for t in self.tasks):
             raise ValueError("algorithm.distill_coef: > 0 but no tasks[].teacher is set")
         return self

@@ -146,6 +146,9 @@ class StageConfig(_Strict):
     """Overrides rollout.max_new_tokens."""
     algorithm: dict[str, Any] = {}
     """Overrides of ``algorithm`` keys for this stage, e.g. ``{advantage: rloo, kl_coef: 0.01}``."""
+    rollout: dict[str, Any] = {}
+    """Overrides of ``rollout`` keys for this stage, e.g. ``{prompts_per_step: 8, group_size: 2}``: a distill
+    stage needs no groups to compare rewards in, so more distinct prompts for the same samples."""
     teachers: dict[str, str] = {}
     """Task name -> teacher: ``best`` (the registry's best checkpoint for that task so far) or a model. A
     distill stage defaults every task without a tasks[].teacher to ``best``."""
@@ -165,6 +168,10 @@ class StageConfig(_Strict):
     disjoint from the held-out ones the pipeline reports (pipeline.validation_size per task)."""
     eval_every: int = Field(5, gt=0)
     """Steps between the validation checks of ``until_within``."""
+    focus: float = Field(0.0, ge=0)
+    """distill stages with ``until_within``: after each validation check, each task's sampling weight becomes
+    its configured weight times 1 + ``focus`` x its shortfall to its teacher in points, so the domains
+    furthest behind get more of the next part's prompts (0: the configured weights throughout)."""
 
     @model_validator(mode="after")
     def _check_kind(self) -> StageConfig:
@@ -176,6 +183,8 @@ class StageConfig(_Strict):
             raise ValueError(f"stage '{self.name}': replay_from needs replay > 0 (the replayed prompts)")
         if self.kind != "distill" and self.until_within is not None:
             raise ValueError(f"stage '{self.name}': until_within applies to distill stages, not {self.kind}")
+        if self.focus and self.until_within is None:
+            raise ValueError(f"stage '{self.name}': focus needs until_within (its validation checks)")
         return self
 
 

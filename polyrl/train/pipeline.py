@@ -127,6 +127,7 @@ def stage_config(
         # pure on-policy distillation unless the stage's algorithm says otherwise
         data["algorithm"].update(pg_coef=0.0, distill_coef=1.0)
     data["algorithm"].update(stage.algorithm)
+    data["rollout"].update(stage.rollout)
     if stage.lr is not None:
         data["optim"]["lr"] = stage.lr
     if stage.max_new_tokens is not None:
@@ -239,7 +240,7 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
             log(f"stage {label} ({stage.kind}, {stage.steps} steps, tasks: {', '.join(t.name for t in cfg.tasks)})")
             if stage.kind == "distill" and stage.until_within is not None:
                 summary = distill_until_within(cfg, stage_dir, stage.steps, stage.eval_every, stage.until_within,
-                                               validate, resume=resume, log=log)
+                                               validate, focus=stage.focus, resume=resume, log=log)
                 ckpt = summary["checkpoint"]
                 extra["early_stop"] = {k: summary[k] for k in ("kept_part", "parts", "teacher_validation")}
             else:
@@ -254,7 +255,7 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
         state["rows"].append({
             "label": label, "kind": stage.kind, "checkpoint": str(ckpt), "eval": result,
             "regressions": regressions, "steps": steps, "train_time_s": summary.get("train_time_s"),
-            "samples": steps * config.rollout.prompts_per_step * config.rollout.group_size,
+            "samples": steps * cfg.rollout.prompts_per_step * cfg.rollout.group_size if cfg is not None else 0,
             "wall_s": time.perf_counter() - t0, **extra,
         })
         log(f"{label}: {json.dumps(result)}")

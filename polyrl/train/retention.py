@@ -10,6 +10,7 @@ in docs/multidomain.md:
 - early stopping: a distill stage pauses every ``eval_every`` steps and stops once every task's accuracy on
   validation items (disjoint from the reported held-out items) is within ``until_within`` of its teacher's,
   or its step budget ends; it keeps the part (possibly the start) whose worst gap to the teachers is smallest.
+  With ``focus`` each part samples the tasks furthest behind their teachers more.
 """
 
 from __future__ import annotations
@@ -53,6 +54,13 @@ def choose_part(history: list[dict[str, Any]], target: dict[str, float], toleran
     return gaps.index(max(gaps))
 
 
+def focus_weights(weights: dict[str, float], accuracy: dict[str, float], target: dict[str, float],
+                  focus: float) -> dict[str, float]:
+    """Sampling weights that favour the tasks furthest below their targets: each weight times 1 + ``focus`` x
+    the task's shortfall in points (none for a task at or above its target)."""
+    return {t: w * (1 + focus * 100 * max(0.0, target[t] - accuracy[t])) for t, w in weights.items()}
+
+
 def validation_config(config: Config) -> Config:
     """``config`` evaluating ``pipeline.validation_size`` items per task from the validation seed."""
     data = config.model_dump(mode="json")
@@ -69,6 +77,7 @@ def distill_until_within(
     every: int,
     tolerance: float,
     validate: Callable[[str], dict[str, float]],
+    focus: float = 0.0,
     resume: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -77,16 +86,24 @@ def distill_until_within(
     checkpoint, the parts' history, the steps taken and their training time.
 
     The parts are one run resumed (``train.stop_at_step``): one optimizer state and one learning-rate schedule
-    over the budget, so a pause is not a restart of Adam's moments or of the schedule."""
+    over the budget, so a pause is not a restart of Adam's moments or of the schedule. With ``focus`` each part
+    samples the tasks by ``focus_weights`` of the last validation (the sampler's state is its cursors, so a
+    new mixture resumes cleanly)."""
     teachers = {t.name: t.teacher for t in config.tasks}
     target = {task: validate(teacher)[task] for task, teacher in teachers.items()}
     history = [{"steps": 0, "checkpoint": config.model.name, "validation": validate(config.model.name)}]
     log(f"{stage_dir.name}: teachers' validation {target}, start {history[0]['validation']}")
     data = config.model_dump(mode="json")
     data["train"].update(steps=budget, keep_checkpoints=budget // every + 1, checkpoint_every=0)
+    configured = {t["name"]: t["weight"] for t in data["tasks"]}
     summary: dict[str, Any] = {}
     while worst_gap(history[-1]["validation"], target) < -tolerance and history[-1]["steps"] < budget:
         data["train"]["stop_at_step"] = min(history[-1]["steps"] + every, budget)
+        if focus:
+            weights = focus_weights(configured, history[-1]["validation"], target, focus)
+            for t in data["tasks"]:
+                t["weight"] = weights[t["name"]]
+            history[-1]["next_weights"] = weights
         part = load_config(stage_dir.name, data=data)
         summary = train(part, stage_dir, resume=len(history) > 1 or (resume and stage_dir.exists()), log=log)
         ckpt = latest_checkpoint(stage_dir)
