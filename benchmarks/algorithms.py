@@ -226,6 +226,8 @@ def merge_sweeps(paths: list[Path], out: Path, doc: Path, block: str) -> None:
                     slot = merged["sweep"].setdefault(name, {}).setdefault(lr, {})
                     if "curve" in run or seed not in slot:  # a finished run wins over a failed one
                         slot[seed] = run
+    order = [*ALGORITHMS, *sorted(set(merged["sweep"]) - set(ALGORITHMS))]  # the table in the usual order
+    merged["sweep"] = {name: merged["sweep"][name] for name in order if name in merged["sweep"]}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(merged, indent=2))
     table = sweep_markdown(merged)
