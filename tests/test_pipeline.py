@@ -185,7 +185,7 @@ def test_distill_keeps_a_task_whose_teacher_is_the_stage_start(tmp_path, monkeyp
     state = pipeline.run_pipeline(cfg, tmp_path / "run", log=logs.append)
     row, start = state["rows"][2], state["rows"][1]["checkpoint"]
     assert row["teachers"] == {"chain_sum": start, "basic_arithmetic": "tiny-random"}
-    assert "stage 2-distill: basic_arithmetic distilled from tiny-random" in logs
+    assert "stage 2-distill: basic_arithmetic taught by tiny-random" in logs
     assert any(m.startswith("stage 2-distill: chain_sum retained as it is") for m in logs)
     distill_cfg = yaml.safe_load((tmp_path / "run/stages/2-distill/config.yaml").read_text())
     assert {t["name"]: t["teacher"] for t in distill_cfg["tasks"]} == row["teachers"]

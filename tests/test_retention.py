@@ -54,6 +54,8 @@ def test_validation_items_differ_from_the_reported_ones(tmp_path):
     ({"name": "d", "kind": "distill", "steps": 1, "focus": 0.1}, "focus needs until_within"),
     ({"name": "d", "kind": "distill", "steps": 1, "until_within": 0.0, "focus": -1}, "focus"),
     ({"name": "d", "kind": "distill", "steps": 1, "rollout": {"group_sise": 2}}, "group_sise"),
+    ({"name": "r", "steps": 1, "sft_from": "teacher"}, "sft_from applies to sft stages"),
+    ({"name": "s", "kind": "sft", "steps": 1, "until_within": 0.0}, "until_within applies"),
 ])
 def test_retention_keys_on_the_wrong_stage_are_config_errors(tmp_path, bad, msg):
     with pytest.raises(Exception, match=msg):
@@ -209,3 +211,63 @@ def test_a_run_stopped_and_resumed_with_stop_at_step_equals_one_run(tmp_path):
     assert [[r.get(k) for k in keys] for r in rows[0]] == [[r.get(k) for k in keys] for r in rows[1]]
     assert rows[1][0]["lr"] > rows[1][1]["lr"] > rows[1][2]["lr"]  # one linear decay over the 3 steps
     assert all(r["grad_norm"] > 0 for r in rows[1])
+
+
+def test_correct_distinct_keeps_each_correct_reply_of_an_item_once():
+    from polyrl.train.teacher_examples import correct_distinct
+    from polyrl.types import Trajectory
+
+    def traj(item, ids, score):
+        return Trajectory(task="t", item_id=item, group_id=item, input_ids=ids, loss_mask=[0, 1], logprobs=[0, 0],
+                          versions=[-1, 0], info={"score": score})
+    replies = [traj(0, [5, 1], 1.0), traj(0, [5, 1], 1.0), traj(0, [5, 2], 0.5), traj(0, [5, 3], 1.0),
+               traj(1, [5, 1], 1.0), traj(1, [5, 4], 0.0)]
+    kept = correct_distinct(replies)
+    # item 0: [5, 1] once (its twin dropped), [5, 3]; the partly right [5, 2] is not correct. item 1: [5, 1].
+    assert [(t.item_id, t.input_ids) for t in kept] == [(0, [5, 1]), (0, [5, 3]), (1, [5, 1])]
+
+
+def test_sft_from_teacher_trains_on_the_best_checkpoints_correct_replies(tmp_path, monkeypatch):
+    from polyrl.train import teacher_examples
+    from tests.test_pipeline import weights_digest
+
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+              {"name": "recall", "kind": "sft", "sft_from": "teacher", "steps": 2}]
+    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
+    held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.5}, {"chain_sum": 0.6, "basic_arithmetic": 0.3},
+                {"chain_sum": 0.6, "basic_arithmetic": 0.5}]
+    monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, {}))
+    played = []
+    real = teacher_examples.rollout
+
+    def scored(engine, requests, config, seed, version):
+        # The tiny random model never answers right: score the first reply of each item correct at step 1 and
+        # none at step 2, so one step learns and the other has nothing to learn from.
+        out = real(engine, requests, config, seed, version)
+        played.append((engine.model.name_or_path, [r[0].name for r in requests]))
+        for i, t in enumerate(out):
+            t.info["score"] = 1.0 if seed == cfg.train.seed + 1 and i % config.group_size == 0 else 0.0
+        return out
+    monkeypatch.setattr(teacher_examples, "rollout", scored)
+    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
+    row = state["rows"][2]
+    # chain_sum's best is stage 1 (0.6), basic_arithmetic's the base model (0.5).
+    assert row["teachers"] == {"chain_sum": state["rows"][1]["checkpoint"], "basic_arithmetic": "tiny-random"}
+    metrics = [json.loads(x) for x in (tmp_path / "run/stages/2-recall/metrics.jsonl").read_text().splitlines()]
+    assert [m["teacher/sampled"] for m in metrics] == [4, 4]  # 2 drawn items x group of 2 per step
+    assert metrics[0]["teacher/kept"] == 2 and metrics[0]["loss/sft"] > 0 and metrics[0]["grad_norm"] > 0
+    assert metrics[1]["teacher/kept"] == 0 and metrics[1]["loss/sft"] == 0
+    ckpts = tmp_path / "run/stages/2-recall/checkpoints"
+    # Step 2 had no correct reply: no optimizer step, so its weights are step 1's.
+    assert weights_digest(str(ckpts / "step-1")) == weights_digest(str(ckpts / "step-2"))
+    assert weights_digest(str(ckpts / "step-1")) != weights_digest(state["rows"][1]["checkpoint"])
+    assert played
+
+
+def test_an_sft_run_with_teachers_for_some_tasks_only_is_an_error(tmp_path):
+    from polyrl.train.teacher_examples import TeacherExamples
+
+    data = load_config(write_config(tmp_path / "c.yaml", [])).model_dump(mode="json")
+    data["tasks"][0]["teacher"] = "tiny-random"
+    with pytest.raises(ValueError, match="tasks.basic_arithmetic.teacher"):
+        TeacherExamples(load_config("c", data=data), tokenizer=None)

@@ -162,14 +162,19 @@ class StageConfig(_Strict):
     retain_coef: float = Field(0.0, ge=0)
     """rl stages with ``replay``: weight of the reverse KL to each replayed task's best checkpoint on its
     prompts (on-policy distillation interleaved with RL); the stage's own tasks have no teacher."""
+    sft_from: Literal["gold", "teacher"] = "gold"
+    """sft stages: train on the items' gold answers (or the env's demonstrations), or on each task's teacher's
+    replies (``teachers``, tasks[].teacher, else the registry's best checkpoint) that its reward scores
+    correct, ``rollout.group_size`` samples per drawn item (rejection-sampled distillation; a task whose best
+    is the stage's start is trained on its own correct replies, which holds it where it is)."""
     until_within: float | None = Field(None, ge=0)
-    """distill stages: stop early once every task's validation accuracy is within this (a fraction) of its
-    teacher's, checked every ``eval_every`` steps; ``steps`` is then the budget. Validation items are
+    """distill stages (and sft stages with ``sft_from: teacher``): stop early once every task's validation
+    accuracy is within this (a fraction) of its teacher's, checked every ``eval_every`` steps; ``steps`` is then the budget. Validation items are
     disjoint from the held-out ones the pipeline reports (pipeline.validation_size per task)."""
     eval_every: int = Field(5, gt=0)
     """Steps between the validation checks of ``until_within``."""
     focus: float = Field(0.0, ge=0)
-    """distill stages with ``until_within``: after each validation check, each task's sampling weight becomes
+    """stages with ``until_within``: after each validation check, each task's sampling weight becomes
     its configured weight times 1 + ``focus`` x its shortfall to its teacher in points, so the domains
     furthest behind get more of the next part's prompts (0: the configured weights throughout)."""
 
@@ -181,8 +186,12 @@ class StageConfig(_Strict):
             raise ValueError(f"stage '{self.name}': retain_coef needs replay > 0 (the replayed prompts)")
         if self.replay_from != "earlier" and not self.replay:
             raise ValueError(f"stage '{self.name}': replay_from needs replay > 0 (the replayed prompts)")
-        if self.kind != "distill" and self.until_within is not None:
-            raise ValueError(f"stage '{self.name}': until_within applies to distill stages, not {self.kind}")
+        if self.sft_from != "gold" and self.kind != "sft":
+            raise ValueError(f"stage '{self.name}': sft_from applies to sft stages, not {self.kind}")
+        taught = self.kind == "distill" or self.sft_from == "teacher"
+        if not taught and self.until_within is not None:
+            raise ValueError(f"stage '{self.name}': until_within applies to distill stages and sft stages with "
+                             f"sft_from: teacher (it compares with the teachers), not this {self.kind} stage")
         if self.focus and self.until_within is None:
             raise ValueError(f"stage '{self.name}': focus needs until_within (its validation checks)")
         return self

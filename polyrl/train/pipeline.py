@@ -116,9 +116,10 @@ def stage_config(
         t["teacher"] = _teacher(label, t["name"], best) if stage.retain_coef else None
     if replayed and stage.retain_coef:
         data["algorithm"]["distill_coef"] = stage.retain_coef
+    taught = stage.kind == "distill" or stage.sft_from == "teacher"
     for t in own:
-        spec = stage.teachers.get(t["name"]) or t["teacher"] or ("best" if stage.kind == "distill" else None)
-        t["teacher"] = _teacher(label, t["name"], best) if spec == "best" else spec
+        spec = stage.teachers.get(t["name"]) or t["teacher"] or ("best" if taught else None)
+        t["teacher"] = (_teacher(label, t["name"], best) if spec == "best" else spec) if taught else None
     for t in data["tasks"]:
         t["weight"] = weights[t["name"]]
     if stage.kind == "distill":
@@ -226,11 +227,12 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
             extra["retain_teachers"] = {t.name: t.teacher for t in cfg.tasks if t.teacher}
         if cfg is not None and len(cfg.tasks) > 1:
             extra["mixture"] = {t.name: t.weight for t in cfg.tasks}
-        if stage.kind == "distill":
+        if taught := stage.kind == "distill" or stage.sft_from == "teacher":
             extra["teachers"] = {t.name: t.teacher for t in cfg.tasks} if cfg is not None else {}
             for task, teacher in extra["teachers"].items():
-                how = "retained as it is (its best is the stage's start)" if _same_model(teacher, start) else \
-                    f"distilled from {teacher}"
+                own = "its own correct replies" if stage.kind == "sft" else "retained as it is"
+                how = f"{own} (its best is the stage's start)" if _same_model(teacher, start) else \
+                    f"taught by {teacher}"
                 log(f"stage {label}: {task} {how}")
         t0 = time.perf_counter()
         if cfg is None:  # a distill stage with nothing to teach: no training step, the weights stay as they are
@@ -238,13 +240,14 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
             ckpt, result, summary = start, dict(state["rows"][-1]["eval"]), {"steps": 0, "train_time_s": 0.0}
         else:
             log(f"stage {label} ({stage.kind}, {stage.steps} steps, tasks: {', '.join(t.name for t in cfg.tasks)})")
-            if stage.kind == "distill" and stage.until_within is not None:
+            run_stage = train_sft if stage.kind == "sft" else train
+            if taught and stage.until_within is not None:
                 summary = distill_until_within(cfg, stage_dir, stage.steps, stage.eval_every, stage.until_within,
-                                               validate, focus=stage.focus, resume=resume, log=log)
+                                               validate, focus=stage.focus, run_part=run_stage, resume=resume,
+                                               log=log)
                 ckpt = summary["checkpoint"]
                 extra["early_stop"] = {k: summary[k] for k in ("kept_part", "parts", "teacher_validation")}
             else:
-                run_stage = train_sft if stage.kind == "sft" else train
                 summary = run_stage(cfg, stage_dir, resume=resume and stage_dir.exists(), log=log)
                 ckpt = latest_checkpoint(stage_dir)
                 if ckpt is None:

@@ -78,6 +78,7 @@ def distill_until_within(
     tolerance: float,
     validate: Callable[[str], dict[str, float]],
     focus: float = 0.0,
+    run_part: Callable[..., dict[str, Any]] = train,
     resume: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -105,7 +106,7 @@ def distill_until_within(
                 t["weight"] = weights[t["name"]]
             history[-1]["next_weights"] = weights
         part = load_config(stage_dir.name, data=data)
-        summary = train(part, stage_dir, resume=len(history) > 1 or (resume and stage_dir.exists()), log=log)
+        summary = run_part(part, stage_dir, resume=len(history) > 1 or (resume and stage_dir.exists()), log=log)
         ckpt = latest_checkpoint(stage_dir)
         if ckpt is None:
             raise RuntimeError(f"{stage_dir}: finished without a checkpoint")

@@ -1,11 +1,14 @@
-"""Supervised fine-tuning on gold answers: the ``sft`` stage of a pipeline.
+"""Supervised fine-tuning on gold answers, or on teachers' correct replies: the ``sft`` stage of a pipeline.
 
 An env with a ``demonstration`` method (tool_math) is trained on its multi-turn demonstration instead, loss
 on the assistant turns only (``polyrl.train.demonstrations``). Otherwise each item's prompt is rendered
 exactly as a rollout renders it (the env's opening messages, the model's chat template, the generation
 prompt); the gold answer follows as the assistant's turn, up to and including the model's stop token. The loss
-is the mean negative log-likelihood of those assistant tokens only. Steps, checkpoints and resume work as in
-the RL loop (same checkpoint layout, same sampler), so a pipeline treats both alike.
+is the mean negative log-likelihood of those assistant tokens only. When the tasks name teachers
+(``tasks[].teacher``; a pipeline's ``stages[].sft_from: teacher``), each step's examples are instead the
+teachers' correct replies to ``rollout.prompts_per_step`` drawn items (``polyrl.train.teacher_examples``).
+Steps, checkpoints and resume work as in the RL loop (same checkpoint layout, same sampler), so a pipeline
+treats both alike.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from polyrl.train.demonstrations import demonstration_example
 from polyrl.train.logprobs import token_logprobs
 from polyrl.train.optimizer import load_optimizer_state, make_optimizer, optimizer_state, schedule_step
 from polyrl.train.step import load_policy
+from polyrl.train.teacher_examples import TeacherExamples
 from polyrl.types import Trajectory
 
 
@@ -72,7 +76,8 @@ def sft_loss(model, batch, bf16: bool, num_tokens: float) -> torch.Tensor:
 
 def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) -> dict[str, Any]:
     """``train.steps`` optimizer steps of ``rollout.prompts_per_step x rollout.group_size`` gold examples each
-    (as many sequences as an RL step); writes metrics.jsonl, checkpoints and summary.json like ``train``."""
+    (as many sequences as an RL step), or of the teachers' correct replies among as many samples; writes
+    metrics.jsonl, checkpoints and summary.json like ``train``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(config))
     tokenizer, model = load_policy(config)
@@ -84,6 +89,7 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
     o = config.optim
     optimizer, scheduler = make_optimizer(params, o, config.train.steps)  # the RL learner's optimizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    teachers = TeacherExamples(config, tokenizer)  # empty unless the tasks name teachers
 
     start, train_time = 0, 0.0
     ckpt = checkpoint_to_resume(run_dir, log=log) if resume else None  # as the RL loop resumes
@@ -108,22 +114,30 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
             step += 1
             t0 = time.perf_counter()
             faults.point("sft", step)
-            draws = sampler.draw(step, n)
-            examples = [training_example(tasks[d.task], d.index, tasks[d.task].train_item(d.index), tokenizer)
-                        for d in draws]
-            examples.sort(key=lambda t: len(t.input_ids) - t.prompt_len)
-            batch = collate(examples, pad_id)
-            num_tokens = float(batch.loss_mask.sum().clamp(min=1))
+            if teachers:  # each drawn item: the teacher's correct replies among group_size samples
+                draws = sampler.draw(step, config.rollout.prompts_per_step)
+                requests = [(tasks[d.task], d.index, tasks[d.task].train_item(d.index)) for d in draws]
+                examples, sampled = teachers.examples(requests, seed + step)
+                extra = {"teacher/kept": len(examples), "teacher/sampled": sampled}
+            else:
+                draws = sampler.draw(step, n)
+                examples = [training_example(tasks[d.task], d.index, tasks[d.task].train_item(d.index), tokenizer)
+                            for d in draws]
+                extra = {}
             model.train()
             optimizer.zero_grad(set_to_none=True)
-            total = 0.0
-            for i in range(0, n, o.micro_batch_size):
-                loss = sft_loss(model, batch.rows(slice(i, i + o.micro_batch_size)).to(device), config.model.bf16,
-                                num_tokens)
-                loss.backward()
-                total += float(loss.detach())
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip))
-            if math.isfinite(grad_norm):  # a NaN/inf gradient must not reach the weights
+            total, grad_norm, num_tokens = 0.0, 0.0, 0.0
+            if examples:  # a step where no teacher reply was correct has nothing to learn from
+                examples.sort(key=lambda t: len(t.input_ids) - t.prompt_len)
+                batch = collate(examples, pad_id)
+                num_tokens = float(batch.loss_mask.sum().clamp(min=1))
+                for i in range(0, len(examples), o.micro_batch_size):
+                    loss = sft_loss(model, batch.rows(slice(i, i + o.micro_batch_size)).to(device),
+                                    config.model.bf16, num_tokens)
+                    loss.backward()
+                    total += float(loss.detach())
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip))
+            if examples and math.isfinite(grad_norm):  # a NaN/inf gradient must not reach the weights
                 optimizer.step()
             schedule_step(scheduler)
             step_time = time.perf_counter() - t0
@@ -131,7 +145,7 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
             last_loss = total
             logger.write(step, {
                 "loss": total, "loss/sft": total, "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0],
-                "sft_tokens": num_tokens, "step_time_s": step_time, "train_time_s": train_time,
+                "sft_tokens": num_tokens, "step_time_s": step_time, "train_time_s": train_time, **extra,
                 **{f"task_ratio/{k}": v for k, v in sampler.realised_ratio().items()},
             })
             faults.point("logged", step)
