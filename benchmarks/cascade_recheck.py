@@ -28,10 +28,13 @@ def main() -> None:
     ap.add_argument("--stages", nargs="+", required=True, help="stage labels, e.g. 1-rl-chain_sum")
     ap.add_argument("--tasks", nargs="+", default=None, help="default: every task of the config")
     ap.add_argument("--items", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=None, help="the run's seed (default: the config's)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     data = load_config(args.config).model_dump(mode="json")
     data.pop("stages", None)
+    if args.seed is not None:
+        data["train"]["seed"] = args.seed
     data["tasks"] = [t for t in data["tasks"] if args.tasks is None or t["name"] in args.tasks]
     for task in data["tasks"]:
         task["eval_size"] = args.items
