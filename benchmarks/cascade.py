@@ -5,10 +5,11 @@ configs/cascade_alt.yaml: letter counting, gcd, linear equations) for one seed a
 benchmarks/results/cascade/<config>-<variant>-s<seed>.json: the domain x stage table of held-out accuracy,
 whether every domain ends within ``--tolerance`` points of its best stage, the final mean over domains
 against the best single stage's, and the cost (samples, wall time). ``--plain`` runs the same stages without
-the retention mechanisms (no replay or retention KL, a distill stage of a fixed step count), the baseline of
-the cost. ``--table-only`` rewrites the block of docs/multidomain.md from every JSON there.
+the retention mechanisms (no replay or retention KL, a distill stage of a fixed step count at the RL stages'
+rate and rollout), the baseline of the cost. ``--table-only`` rewrites the block of docs/multidomain.md from
+every JSON there.
 
-    python benchmarks/cascade.py --seed 0                                  # ~10 min on 2 idle cores
+    python benchmarks/cascade.py --seed 0                                  # ~20 min on 2 idle cores
     python benchmarks/cascade.py --config configs/cascade_alt.yaml --seed 1 --plain
     python benchmarks/cascade.py --table-only
     python benchmarks/cascade.py --scale 0.2 --eval 20 --out /tmp/c       # a quick check of the script itself
@@ -33,8 +34,9 @@ START, END = "<!-- cascade:start -->", "<!-- cascade:end -->"
 
 
 def plain_stage(stage: dict) -> dict:
-    """A stage of the plain cascade: no replay, no retention KL, no early stopping."""
-    retention = ("replay", "replay_from", "retain_coef", "until_within", "eval_every")
+    """A stage of the plain cascade: no replay, no retention KL, no early stopping, and a distill stage run
+    as the RL stages run (their rate and rollout, the configured task mix)."""
+    retention = ("replay", "replay_from", "retain_coef", "until_within", "eval_every", "focus", "lr", "rollout")
     return {k: v for k, v in stage.items() if k not in retention}
 
 
