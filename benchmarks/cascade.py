@@ -9,7 +9,7 @@ the retention mechanisms (no replay or retention KL, a distill stage of a fixed 
 rate and rollout), the baseline of the cost. ``--table-only`` rewrites the block of docs/multidomain.md from
 every JSON there.
 
-    python benchmarks/cascade.py --seed 0                                  # ~20 min on 2 idle cores
+    python benchmarks/cascade.py --seed 0                                  # tens of minutes on 2 cores
     python benchmarks/cascade.py --config configs/cascade_alt.yaml --seed 1 --plain
     python benchmarks/cascade.py --table-only
     python benchmarks/cascade.py --scale 0.2 --eval 20 --out /tmp/c       # a quick check of the script itself
