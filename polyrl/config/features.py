@@ -169,8 +169,9 @@ class StageConfig(_Strict):
     is the stage's start is trained on its own correct replies, which holds it where it is)."""
     until_within: float | None = Field(None, ge=0)
     """distill stages (and sft stages with ``sft_from: teacher``): stop early once every task's validation
-    accuracy is within this (a fraction) of its teacher's, checked every ``eval_every`` steps; ``steps`` is then the budget. Validation items are
-    disjoint from the held-out ones the pipeline reports (pipeline.validation_size per task)."""
+    accuracy is within this (a fraction) of its teacher's, checked every ``eval_every`` steps; ``steps`` is
+    then the budget. Validation items are disjoint from the held-out ones the pipeline reports
+    (pipeline.validation_size per task)."""
     eval_every: int = Field(5, gt=0)
     """Steps between the validation checks of ``until_within``."""
     focus: float = Field(0.0, ge=0)
