@@ -179,6 +179,11 @@ class StageConfig(_Strict):
     its configured weight times 1 + ``focus`` x its shortfall to its teacher in points, so the domains
     furthest behind get more of the next part's prompts (0: the configured weights throughout)."""
 
+    @property
+    def taught(self) -> bool:
+        """Whether the stage learns from teachers: a distill stage, or an sft stage with ``sft_from: teacher``."""
+        return self.kind == "distill" or self.sft_from == "teacher"
+
     @model_validator(mode="after")
     def _check_kind(self) -> StageConfig:
         if self.kind != "rl" and (self.replay or self.retain_coef):
@@ -189,8 +194,7 @@ class StageConfig(_Strict):
             raise ValueError(f"stage '{self.name}': replay_from needs replay > 0 (the replayed prompts)")
         if self.sft_from != "gold" and self.kind != "sft":
             raise ValueError(f"stage '{self.name}': sft_from applies to sft stages, not {self.kind}")
-        taught = self.kind == "distill" or self.sft_from == "teacher"
-        if not taught and self.until_within is not None:
+        if not self.taught and self.until_within is not None:
             raise ValueError(f"stage '{self.name}': until_within applies to distill stages and sft stages with "
                              f"sft_from: teacher (it compares with the teachers), not this {self.kind} stage")
         if self.focus and self.until_within is None:

@@ -116,10 +116,9 @@ def stage_config(
         t["teacher"] = _teacher(label, t["name"], best) if stage.retain_coef else None
     if replayed and stage.retain_coef:
         data["algorithm"]["distill_coef"] = stage.retain_coef
-    taught = stage.kind == "distill" or stage.sft_from == "teacher"
     for t in own:
-        spec = stage.teachers.get(t["name"]) or t["teacher"] or ("best" if taught else None)
-        t["teacher"] = (_teacher(label, t["name"], best) if spec == "best" else spec) if taught else None
+        spec = stage.teachers.get(t["name"]) or t["teacher"] or ("best" if stage.taught else None)
+        t["teacher"] = (_teacher(label, t["name"], best) if spec == "best" else spec) if stage.taught else None
     for t in data["tasks"]:
         t["weight"] = weights[t["name"]]
     if stage.kind == "distill":
@@ -227,7 +226,7 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
             extra["retain_teachers"] = {t.name: t.teacher for t in cfg.tasks if t.teacher}
         if cfg is not None and len(cfg.tasks) > 1:
             extra["mixture"] = {t.name: t.weight for t in cfg.tasks}
-        if taught := stage.kind == "distill" or stage.sft_from == "teacher":
+        if stage.taught:
             extra["teachers"] = {t.name: t.teacher for t in cfg.tasks} if cfg is not None else {}
             for task, teacher in extra["teachers"].items():
                 own = "its own correct replies" if stage.kind == "sft" else "retained as it is"
@@ -241,7 +240,7 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
         else:
             log(f"stage {label} ({stage.kind}, {stage.steps} steps, tasks: {', '.join(t.name for t in cfg.tasks)})")
             run_stage = train_sft if stage.kind == "sft" else train
-            if taught and stage.until_within is not None:
+            if stage.taught and stage.until_within is not None:
                 summary = distill_until_within(cfg, stage_dir, stage.steps, stage.eval_every, stage.until_within,
                                                validate, focus=stage.focus, run_part=run_stage, resume=resume,
                                                log=log)
