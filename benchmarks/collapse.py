@@ -88,6 +88,7 @@ def probe(config: Path, seed: int, batches: int, on_result: Callable[[dict], Non
     from polyrl.algorithms import kl_estimate
     from polyrl.config import AlgorithmConfig
     from polyrl.config_check import load_config
+    from polyrl.models.device import model_bf16
     from polyrl.train.batch import collate
     from polyrl.train.learner import Learner
     from polyrl.train.logprobs import token_logprobs
@@ -103,15 +104,15 @@ def probe(config: Path, seed: int, batches: int, on_result: Callable[[dict], Non
             trajs = produce_batch(run, b).groups.kept
             batch = collate(sorted(trajs, key=lambda t: t.prompt_len), run.learner.pad_id)
             with torch.no_grad():
-                before, _ = token_logprobs(run.model, batch, cfg.rollout.temperature, cfg.model.bf16)
+                before, _ = token_logprobs(run.model, batch, cfg.rollout.temperature, model_bf16(cfg))
             for name, overrides in VARIANTS.items():
                 run.model.load_state_dict(start)
                 algo = AlgorithmConfig(**{**cfg.algorithm.model_dump(), **_algo(overrides)})
-                learner = Learner(run.model, algo, cfg.optim, cfg.rollout.temperature, cfg.model.bf16,
+                learner = Learner(run.model, algo, cfg.optim, cfg.rollout.temperature, model_bf16(cfg),
                                   run.learner.pad_id, total_steps=1_000_000)
                 m = learner.update(trajs)
                 with torch.no_grad():
-                    after, _ = token_logprobs(run.model, batch, cfg.rollout.temperature, cfg.model.bf16)
+                    after, _ = token_logprobs(run.model, batch, cfg.rollout.temperature, model_bf16(cfg))
                 mask = batch.loss_mask > 0
                 kl = float(kl_estimate(after, before, "k3")[mask].mean())  # log r = before - after
                 out.setdefault(name, []).append({"kl_before_after": kl, "clip_frac": m.get("clip_frac"),

@@ -17,6 +17,7 @@ import typer
 if TYPE_CHECKING:
     from polyrl.config import Config
 
+BF16_HELP = "Sample in bf16 or float32 (default: bf16 where the CPU computes it natively)."
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RL post-training for language models.")
 
 
@@ -141,7 +142,7 @@ def eval_cmd(
     answer: Annotated[str, typer.Option("--answer", help="last_number or full.")] = "last_number",
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens")] = 64,
     env: Annotated[str | None, typer.Option("--env", help="Environment (default: from the task name).")] = None,
-    bf16: Annotated[bool, typer.Option("--bf16/--fp32")] = True,
+    bf16: Annotated[bool | None, typer.Option("--bf16/--fp32", help=BF16_HELP)] = None,
 ) -> None:
     """Greedy held-out accuracy of a model on a task; prints a JSON object."""
     from pydantic import ValidationError
@@ -149,6 +150,7 @@ def eval_cmd(
     from polyrl.config import TaskConfig
     from polyrl.engines.hf import HFEngine
     from polyrl.envs.base import make_task
+    from polyrl.models.device import resolve_bf16
     from polyrl.models.loading import ModelNotFoundError, load_model, load_tokenizer
     from polyrl.rollout.multi_turn import evaluate
 
@@ -158,7 +160,7 @@ def eval_cmd(
         )
         tokenizer = load_tokenizer(model)
         env_task = make_task(task_cfg, seed, tokenizer=tokenizer)
-        engine = HFEngine(load_model(model), tokenizer, bf16=bf16)
+        engine = HFEngine(load_model(model), tokenizer, bf16=resolve_bf16("auto" if bf16 is None else bf16, "cpu"))
     except (ModelNotFoundError, ValueError, ValidationError) as exc:
         _fail(str(exc).splitlines()[0])
     result = evaluate(engine, env_task, n, max_new_tokens)
@@ -221,7 +223,7 @@ def serve_cmd(
     model: Annotated[str, typer.Argument(help="Model alias, HF directory, checkpoint, or run directory.")],
     port: Annotated[int, typer.Option("--port", help="Port on 127.0.0.1 (0 picks a free one).")] = 8000,
     max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default and cap of max_tokens.")] = 512,
-    bf16: Annotated[bool, typer.Option("--bf16/--fp32")] = True,
+    bf16: Annotated[bool | None, typer.Option("--bf16/--fp32", help=BF16_HELP)] = None,
 ) -> None:
     """Serve a model as an OpenAI-compatible endpoint on 127.0.0.1 (chat/completions with tools)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
@@ -229,7 +231,7 @@ def serve_cmd(
     from polyrl.models.loading import ModelNotFoundError
 
     try:
-        serve(model, port, max_tokens, bf16, echo=typer.echo)
+        serve(model, port, max_tokens, "auto" if bf16 is None else bf16, echo=typer.echo)
     except (ModelNotFoundError, ValueError, OSError) as exc:
         _fail(str(exc).splitlines()[0])
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import ROOT, SMOKE
 
+from polyrl.config import ConfigError
 from polyrl.config_check import load_config
 from polyrl.engines.hf import HFEngine
 from polyrl.models import device as dev
@@ -19,6 +20,68 @@ from polyrl.models.loading import load_model, tiny_random_model
 from polyrl.train import teachers
 from polyrl.train.batch import Batch, collate
 from polyrl.types import Trajectory
+
+# --- bf16 where the hardware computes it ------------------------------------------------------------------------
+
+
+def _cpu(monkeypatch, machine: str, avx512_bf16: bool = False, amx: bool = False, cpuinfo: str = "") -> None:
+    dev.native_bf16.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dev.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(dev, "_cpuinfo_words", lambda: set(cpuinfo.split()))
+
+
+@pytest.mark.parametrize(("machine", "avx512_bf16", "amx", "cpuinfo", "native"), [
+    ("x86_64", True, False, "", True),                     # AVX512-BF16 (Zen 4 and later, Cooper Lake)
+    ("x86_64", False, True, "", True),                     # AMX (Sapphire Rapids and later)
+    ("x86_64", False, False, "flags : avx2 fma", False),   # AVX2 only: torch emulates bf16
+    ("aarch64", False, False, "Features : fp asimd bf16 sve", True),
+    ("aarch64", False, False, "Features : fp asimd", False),
+])
+def test_native_bf16_on_the_cpu_follows_the_hardware(monkeypatch, machine, avx512_bf16, amx, cpuinfo, native):
+    _cpu(monkeypatch, machine, avx512_bf16, amx, cpuinfo)
+    try:
+        assert dev.native_bf16("cpu") is native
+        assert dev.resolve_bf16("auto", "cpu") is native
+        # An explicit setting wins either way.
+        assert dev.resolve_bf16(True, "cpu") is True and dev.resolve_bf16(False, "cpu") is False
+    finally:
+        dev.native_bf16.cache_clear()
+
+
+def test_auto_is_the_default_and_resolves_per_setting(monkeypatch):
+    _cpu(monkeypatch, "x86_64", cpuinfo="flags : avx2")
+    try:
+        config = load_config(SMOKE, ["model.bf16=auto"])
+        assert config.engine.bf16_weights == "auto"
+        assert dev.model_bf16(config) is False and dev.engine_bf16(config) is False
+        forced = load_config(SMOKE, ["model.bf16=true", "engine.bf16_weights=true"])
+        assert dev.model_bf16(forced) is True and dev.engine_bf16(forced) is True
+    finally:
+        dev.native_bf16.cache_clear()
+
+
+def test_forcing_bf16_where_it_is_emulated_warns_once(monkeypatch, caplog):
+    _cpu(monkeypatch, "x86_64", cpuinfo="flags : avx2")
+    dev._warn_emulated_bf16.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="polyrl.models.device"):
+            dev.resolve_bf16(True, "cpu")
+            dev.resolve_bf16(True, "cpu")
+            dev.resolve_bf16("auto", "cpu")
+        warnings = [r.message for r in caplog.records if "no native bf16" in r.message]
+        assert len(warnings) == 1 and "model.bf16" in warnings[0]
+    finally:
+        dev.native_bf16.cache_clear()
+        dev._warn_emulated_bf16.cache_clear()
+
+
+def test_a_setting_that_is_neither_bool_nor_auto_names_the_key():
+    with pytest.raises(ConfigError, match="model.bf16"):
+        load_config(SMOKE, ["model.bf16=fast"])
+
 
 # --- resolve_device ---------------------------------------------------------------------------------------------
 

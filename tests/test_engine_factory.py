@@ -49,7 +49,7 @@ def test_recomputed_logprobs_are_the_learners(tiny, temperature):
     """With recompute, the behaviour log-probs the loop stores equal what the learner computes for those tokens
     (through its own collate / prefix-sharing path), not the bf16 sampling copy's."""
     model, tok = tiny
-    config = load_config(SMOKE, ["engine.recompute_logprobs=true", "model.bf16=false"])
+    config = load_config(SMOKE, ["engine.recompute_logprobs=true", "engine.bf16_weights=true", "model.bf16=false"])
     engine = make_engine(config, model, tok)
     assert isinstance(engine, RecomputeLogprobs) and isinstance(engine.engine, HFEngine)
     assert engine.engine.head_weight is not None  # sampling really runs on the bf16 copy

@@ -231,7 +231,8 @@ def test_held_out_evaluation_runs_without_the_sampling_copy(monkeypatch, tmp_pat
     import polyrl.train.step as step_module
     from polyrl.config_check import load_config
 
-    run = step_module.build_run(load_config(ROOT / "configs" / "smoke.yaml", ["model.bf16=true"]), tmp_path)
+    config = load_config(ROOT / "configs" / "smoke.yaml", ["model.bf16=true", "engine.bf16_weights=true"])
+    run = step_module.build_run(config, tmp_path)
     held = run.engine.fast.nbytes()
     before = run.engine.generate(PROMPTS, n=2, max_new_tokens=6, temperature=1.0, seed=3)
     during = []

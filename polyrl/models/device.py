@@ -11,10 +11,19 @@ in one copy. On the CPU both are the plain operations.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from polyrl.config import Config
+
 DEVICES = ("auto", "cpu", "cuda")
+log = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -35,6 +44,60 @@ def resolve_device(name: str) -> torch.device:
         )
     device = torch.device(name)
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+@functools.cache
+def native_bf16(device_type: str) -> bool:
+    """Whether this machine runs bfloat16 matmuls in hardware on ``device_type``: a CUDA GPU that supports
+    bf16; an x86 CPU with AVX512-BF16 or AMX; a Linux Arm CPU that lists bf16 among its features. Elsewhere (an
+    x86 CPU with AVX2 only, say) torch emulates them, many times slower than float32, so float32 is both the
+    faster and the exact choice there."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if device_type != "cpu":
+        return False
+    if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
+        try:
+            return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+        except AttributeError:  # an older torch without the probes: read the kernel's flags below
+            pass
+    return bool(_cpuinfo_words() & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def _cpuinfo_words() -> set[str]:
+    """The words of /proc/cpuinfo (its x86 flags, its Arm features); empty where there is none."""
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def resolve_bf16(setting: bool | str, device: str) -> bool:
+    """A bf16 setting (``model.bf16``, ``engine.bf16_weights``) as a bool: ``auto`` is bf16 where the device
+    computes it natively (``native_bf16``), float32 elsewhere; ``true`` on a CPU without native bf16 still runs
+    bf16, with a warning that it is slow there."""
+    device_type = resolve_device(device).type
+    if setting == "auto":
+        return native_bf16(device_type)
+    if setting and not native_bf16(device_type):
+        _warn_emulated_bf16(device_type)
+    return bool(setting)
+
+
+def model_bf16(config: Config) -> bool:
+    """``model.bf16`` resolved for ``train.device``: whether the policy computes under bf16 autocast."""
+    return resolve_bf16(config.model.bf16, config.train.device)
+
+
+def engine_bf16(config: Config) -> bool:
+    """``engine.bf16_weights`` resolved for ``train.device``: whether the engine samples from a bf16 copy."""
+    return resolve_bf16(config.engine.bf16_weights, config.train.device)
+
+
+@functools.cache
+def _warn_emulated_bf16(device_type: str) -> None:  # once per process, however many settings ask
+    log.warning("bf16 is set but this %s has no native bf16 matmuls: torch emulates them, many times slower "
+                "than float32; set model.bf16 and engine.bf16_weights to auto or false", device_type)
 
 
 def module_device(module: torch.nn.Module) -> torch.device:

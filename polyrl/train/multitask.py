@@ -11,7 +11,7 @@ from polyrl.data.curriculum import Curriculum
 from polyrl.data.sampler import TaskSampler
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import Task, make_task
-from polyrl.models.device import resolve_device
+from polyrl.models.device import model_bf16, resolve_device
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.train.agents import GroupRollout, Requests
 from polyrl.types import Trajectory
@@ -70,7 +70,7 @@ def load_cross_engine(config: Config, tokenizer: Any) -> HFEngine:
                          f"'{config.model.name}'; token ids would not mean the same")
     device = resolve_device(config.train.device)
     model = load_model(name, None, seed=config.train.seed, device=device).eval().requires_grad_(False)
-    return HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=False)
+    return HFEngine(model, tokenizer, bf16=model_bf16(config), bf16_weights=False)
 
 
 class CrossPolicy:

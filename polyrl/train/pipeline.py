@@ -26,7 +26,7 @@ from polyrl.config import Config, ConfigError, StageConfig
 from polyrl.config_check import load_config
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import make_task
-from polyrl.models.device import resolve_device
+from polyrl.models.device import model_bf16, resolve_device
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.rollout.multi_turn import evaluate
 from polyrl.rollout.policy_chat import EnginePolicy
@@ -43,7 +43,7 @@ def evaluate_domains(config: Config, model_name: str) -> dict[str, float]:
     tokenizer = load_tokenizer(model_name)
     model = load_model(model_name, None, seed=config.train.seed, device=resolve_device(config.train.device)).eval()
     if config.eval.bf16:
-        engine = HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=True)
+        engine = HFEngine(model, tokenizer, bf16=model_bf16(config), bf16_weights=True)
     else:  # as the RL loop: accuracy of the float32 weights themselves
         engine = HFEngine(model, tokenizer, bf16=False)
     max_new = config.eval.max_new_tokens or config.rollout.max_new_tokens

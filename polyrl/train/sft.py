@@ -24,6 +24,7 @@ import torch
 from polyrl.config import Config, dump_config
 from polyrl.data.sampler import TaskSampler
 from polyrl.envs.base import Task, make_task
+from polyrl.models.device import model_bf16
 from polyrl.observe.metrics import open_metrics_logger
 from polyrl.rollout.render import ChatRenderer
 from polyrl.train import faults
@@ -133,7 +134,7 @@ def train_sft(config: Config, run_dir: Path, resume: bool = False, log=print) ->
                 num_tokens = float(batch.loss_mask.sum().clamp(min=1))
                 for i in range(0, len(examples), o.micro_batch_size):
                     loss = sft_loss(model, batch.rows(slice(i, i + o.micro_batch_size)).to(device),
-                                    config.model.bf16, num_tokens)
+                                    model_bf16(config), num_tokens)
                     loss.backward()
                     total += float(loss.detach())
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, o.grad_clip))

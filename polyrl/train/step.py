@@ -26,7 +26,7 @@ from polyrl.engines import make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.agent import AgentTask
 from polyrl.envs.base import Task, env_name, make_task
-from polyrl.models.device import resolve_device
+from polyrl.models.device import model_bf16, resolve_device
 from polyrl.models.loading import holds_bf16_weights, load_model, load_tokenizer
 from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import SHARD_SEED_STRIDE, all_gather_objects, contiguous_shards, current
@@ -89,7 +89,7 @@ def load_policy(config: Config) -> tuple[Any, Any]:
     torch.manual_seed(config.train.seed)
     tokenizer = load_tokenizer(config.model.name)
     model = load_model(
-        config.model.name, config.model.lora, seed=config.train.seed, bf16=config.model.bf16,
+        config.model.name, config.model.lora, seed=config.train.seed, bf16=model_bf16(config),
         float32_attention=config.model.float32_attention, device=resolve_device(config.train.device),
     )
     return tokenizer, model
@@ -109,7 +109,7 @@ def build_run(config: Config, run_dir: Path) -> Run:
     }
     cross = config.rollout.cross_policy
     learner = Learner(
-        model, config.algorithm, config.optim, config.rollout.temperature, config.model.bf16, engine.pad_id,
+        model, config.algorithm, config.optim, config.rollout.temperature, model_bf16(config), engine.pad_id,
         total_steps=config.train.steps, teachers=load_teachers(config, engine_model), sharding=config.learner,
         replay_is_cap=config.agents.replay.is_cap, **({"is_cap": cross.is_cap} if cross is not None else {}),
     )

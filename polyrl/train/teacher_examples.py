@@ -16,7 +16,7 @@ from typing import Any
 from polyrl.config import Config
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import Task
-from polyrl.models.device import resolve_device
+from polyrl.models.device import engine_bf16, model_bf16, resolve_device
 from polyrl.models.loading import load_model
 from polyrl.rollout.multi_turn import rollout
 from polyrl.types import Trajectory
@@ -49,7 +49,8 @@ class TeacherExamples:
         for t in config.tasks:
             if t.teacher and t.teacher not in self.engines:
                 model = load_model(t.teacher, None, seed=config.train.seed, device=device).eval()
-                self.engines[t.teacher] = HFEngine(model, tokenizer, bf16=config.model.bf16, bf16_weights=True)
+                self.engines[t.teacher] = HFEngine(model, tokenizer, bf16=model_bf16(config),
+                                                   bf16_weights=engine_bf16(config))
         self.teacher = {t.name: t.teacher for t in config.tasks if t.teacher}
 
     def __bool__(self) -> bool:
