@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from cascade import machine
 
 from polyrl.models.device import native_bf16
 
@@ -36,22 +37,12 @@ def gflops(rows: int, inner: int, cols: int, dtype: torch.dtype, seconds: float 
     return 2 * rows * inner * cols * n / (time.perf_counter() - start) / 1e9
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     result = {
-        "cpu": cpu_name(), "machine": platform.machine(), "threads": torch.get_num_threads(),
+        "cpu": machine(), "machine": platform.machine(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bf16": native_bf16("cpu"), "shapes": {},
     }

@@ -3,19 +3,22 @@
 Part 1 runs ``polyrl train CONFIG`` (configs/quickstart.yaml, or configs/quickstart_lora.yaml) as a child
 process, shortened to a few steps and one evaluation batch after training, and samples its resident set size
 (RSS) every 0.1 s; the peak is also read from the kernel's own high-water mark (ru_maxrss). A whole run peaks
-higher than a short one (longer replies later, a fuller heap): ``--steps 20`` comes closer. Part 2 builds the same
+higher than a short one (longer replies later, a fuller heap): ``--steps 20`` comes closer, and ``--whole`` runs the
+config as shipped (its evaluations, steps and time cap) and adds its held-out accuracy. Part 2 builds the same
 run in this process, does one step and adds up the bytes of each tensor holder: policy weights, the engine's
 bf16 sampling copy, gradients and optimizer states. Results: benchmarks/results/memory.json.
 
     python benchmarks/memory.py --config configs/quickstart_lora.yaml     # ~3 min on 2 idle cores
     python benchmarks/memory.py --steps 2 --no-breakdown --out /tmp/memory_full.json
+    python benchmarks/memory.py --config configs/quickstart_lora.yaml --whole --out /tmp/lora_whole.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import resource
+import os
 import statistics
 import subprocess
 import sys
@@ -24,6 +27,9 @@ import time
 from pathlib import Path
 
 import psutil
+from cascade import machine
+
+from polyrl.models.device import native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = [ROOT / "configs" / "quickstart.yaml"]  # --config
@@ -38,31 +44,38 @@ def overrides(steps: int, eval_size: int) -> list[str]:
             "logging.progress=false", "logging.report=false", "logging.tensorboard=false", *EXTRA]
 
 
-def peak_rss_of_run(steps: int, eval_size: int) -> dict:
+def peak_rss_of_run(args: list[str]) -> dict:
+    """Run ``polyrl train CONFIG *args`` as a child; its peak RSS, RSS timeline, step times and summary."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "polyrl", "train", str(CONFIG[0]),
-               *overrides(steps, eval_size), "--output", out]
+        cmd = [sys.executable, "-m", "polyrl", "train", str(CONFIG[0]), *args, "--output", out]
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         ps, samples = psutil.Process(proc.pid), []
-        while proc.poll() is None:
-            try:
-                samples.append((time.perf_counter() - start, ps.memory_info().rss))
-            except psutil.NoSuchProcess:
+        while True:
+            # wait4 reports this child's own high-water mark; RUSAGE_CHILDREN would also count earlier children
+            # of this process (and of a shell that exec'd it), so a second run in one shell read the first's peak.
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
                 break
+            with contextlib.suppress(psutil.NoSuchProcess):  # exited, not yet reaped
+                samples.append((time.perf_counter() - start, ps.memory_info().rss))
             time.sleep(0.1)
+        returncode = os.waitstatus_to_exitcode(status)
+        proc.returncode = returncode  # reaped here, so Popen must not wait for it again
         err = proc.stderr.read()
-        if proc.returncode:
-            raise SystemExit(f"quickstart run failed ({proc.returncode}): {err[-2000:]}")
+        if returncode:
+            raise SystemExit(f"quickstart run failed ({returncode}): {err[-2000:]}")
         steps = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
-    # ru_maxrss is in KiB on Linux; this process has only that one child.
-    kernel_peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        summary = json.loads((Path(out) / "summary.json").read_text())
+    kernel_peak = usage.ru_maxrss * 1024  # KiB on Linux
     return {
         "command": " ".join(cmd[1:]), "seconds": time.perf_counter() - start,
         "peak_rss_gb": kernel_peak / 1e9, "peak_rss_sampled_gb": max(r for _, r in samples) / 1e9,
         "rss_timeline_gb": [(round(t, 1), round(r / 1e9, 3)) for t, r in samples[:: max(1, len(samples) // 200)]],
         "median_step_s": statistics.median(m["step_time_s"] for m in steps if "step_time_s" in m),
         "median_update_s": statistics.median(m["update_time_s"] for m in steps if "update_time_s" in m),
+        "steps": summary["steps"], "training_min": round(summary["train_time_s"] / 60, 2),
+        "eval_before": summary.get("eval_before"), "eval_after": summary.get("eval_after"),
     }
 
 
@@ -110,16 +123,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--eval-size", type=int, default=64, help="one evaluation batch (eval.batch_size is 64)")
     ap.add_argument("--no-breakdown", action="store_true")
+    ap.add_argument("--whole", action="store_true", help="the config's whole run, as shipped (implies --no-breakdown)")
     ap.add_argument("--set", nargs="*", default=[], help="extra dotted overrides of the quickstart config")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory.json")
     args = ap.parse_args()
     EXTRA.extend(args.set)
     CONFIG[0] = args.config.resolve()
-    result = {"config": str(CONFIG[0].relative_to(ROOT)), "run": peak_rss_of_run(args.steps, args.eval_size)}
+    quiet = ["logging.progress=false", "logging.report=false", "logging.tensorboard=false", *EXTRA]
+    run_args = quiet if args.whole else overrides(args.steps, args.eval_size)
+    result = {"config": str(CONFIG[0].relative_to(ROOT)), "cpu": machine(), "native_bf16": native_bf16("cpu"),
+              "run": peak_rss_of_run(run_args)}
     run = result["run"]
     print(f"peak RSS {run['peak_rss_gb']:.2f} GB ({run['seconds']:.0f} s), median step {run['median_step_s']:.2f} s, "
           f"update {run['median_update_s']:.2f} s", flush=True)
-    if not args.no_breakdown:
+    if not (args.no_breakdown or args.whole):
         result["breakdown"] = breakdown(args.steps, args.eval_size)
         print(json.dumps(result["breakdown"], indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)

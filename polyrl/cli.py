@@ -88,11 +88,16 @@ def train(
 
 def _dry_run(cfg: Config, config_path: Path) -> None:
     from polyrl.config import dump_config
+    from polyrl.models.device import engine_bf16, model_bf16
     from polyrl.models.loading import ModelNotFoundError
     from polyrl.observe.estimate import estimate_step
 
     typer.echo(f"# {config_path}: valid. Resolved config:")
     typer.echo(dump_config(cfg))
+    kind = {True: "bf16", False: "float32"}
+    typer.echo(f"# Precision on this machine: training {kind[model_bf16(cfg)]} (model.bf16: "
+               f"{str(cfg.model.bf16).lower()}), sampling {kind[engine_bf16(cfg)]} (engine.bf16_weights: "
+               f"{str(cfg.engine.bf16_weights).lower()})")
     typer.echo("# Estimated time per step on this machine (measured now, on the configured model):")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:

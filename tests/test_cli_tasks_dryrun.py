@@ -6,6 +6,7 @@ import sys
 
 from conftest import SMOKE
 
+from polyrl.models.device import native_bf16
 from polyrl.observe.catalog import one_line
 
 
@@ -58,6 +59,10 @@ def test_dry_run_validates_prints_and_estimates_without_training(tmp_path):
     text = res.stdout
     assert "valid. Resolved config:" in text
     assert "name: smoke" in text and "group_size: 3" in text  # the override is in the resolved config
+    # What auto means here is stated: smoke trains in float32 (model.bf16: false); sampling follows the CPU.
+    sampling = "bf16" if native_bf16("cpu") else "float32"
+    assert (f"Precision on this machine: training float32 (model.bf16: false), sampling {sampling} "
+            "(engine.bf16_weights: auto)") in text
     step = re.search(r"step: +<= ([\d.]+) s; 2 steps", text)
     assert step and float(step.group(1)) > 0
     assert re.search(r"samples per step: 6, prompt ~\d+ tokens", text)
