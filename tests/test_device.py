@@ -51,6 +51,18 @@ def test_native_bf16_on_the_cpu_follows_the_hardware(monkeypatch, machine, avx51
         dev.native_bf16.cache_clear()
 
 
+@pytest.mark.parametrize(("compute", "native"), [(8, True), (7, False)])  # Ampere and later; Volta emulates
+def test_native_bf16_on_a_gpu_does_not_count_emulation(monkeypatch, compute, native):
+    dev.native_bf16.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: including_emulation or compute >= 8)
+    try:
+        assert dev.native_bf16("cuda") is native
+    finally:
+        dev.native_bf16.cache_clear()
+
+
 def test_auto_is_the_default_and_resolves_per_setting(monkeypatch):
     _cpu(monkeypatch, "x86_64", cpuinfo="flags : avx2")
     try:

@@ -53,7 +53,8 @@ def native_bf16(device_type: str) -> bool:
     x86 CPU with AVX2 only, say) torch emulates them, many times slower than float32, so float32 is both the
     faster and the exact choice there."""
     if device_type == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        # Not counting emulation: a GPU before Ampere runs bf16 through float32 units, slower than float32.
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
     if device_type != "cpu":
         return False
     if platform.machine().lower() in ("x86_64", "amd64", "i686", "x86"):
