@@ -176,9 +176,15 @@ def run_scenario(name: str) -> dict[str, Any]:
     return out
 
 
+RECORDED_ON = "_recorded_on"
+"""The key of the recording's CPU kind (torch's CPU capability: AVX512, AVX2, ...): float32 matmuls sum in
+another order on another kind, so the comparison there allows for rounding."""
+
+
 def record(path: Path) -> None:
     torch.set_num_threads(2)
-    data = {name: run_scenario(name) for name in SCENARIOS}
+    data: dict[str, Any] = {name: run_scenario(name) for name in SCENARIOS}
+    data[RECORDED_ON] = torch.backends.cpu.get_cpu_capability()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
