@@ -93,6 +93,7 @@ def quickstart_config(*, smoke: bool, steps: int, eval_size: int) -> dict:
         task["eval_size"] = 8 if smoke else eval_size
     if smoke:
         data["model"] = {"name": "tiny-random", "bf16": False}
+        data["engine"] = {"bf16_weights": True}  # the GPU's path: a sampling copy that every sync refreshes
         data["rollout"].update(group_size=4, max_new_tokens=8)
         data["algorithm"].update(dynamic_sampling=False, entropy_coef=1e-3)  # updates run on zero rewards
         data["optim"]["micro_batch_size"] = 8
@@ -116,7 +117,7 @@ def plan(smoke: bool, gpus: int, vllm: bool, workdir: Path) -> list[Part]:
 
     model_dir = workdir / "models" / ("llama3-tiny" if smoke else "llama3-1b")
     data = quickstart_config(smoke=smoke, steps=4, eval_size=1)
-    data["model"] = {"name": str(model_dir), "bf16": True}
+    data["model"] = {"name": str(model_dir)}  # bf16 where the device computes it (model.bf16: auto)
     # A random model earns no reward: without another loss term every update would be skipped as gradient-free.
     data["algorithm"].update(dynamic_sampling=False, entropy_coef=1e-3)
     data["eval"] = {"before": False, "after": False}

@@ -153,8 +153,11 @@ def test_mismatch_metrics_and_sequence_correction_are_global(two_ranks):
     assert len(keys) == 4 and one_metrics["mismatch/beyond_band_frac"] > 0
     for key in [*keys, "loss", "grad_norm", "off_policy/masked_frac"]:
         assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-5, abs=1e-7), key
+    # AdamW's first step divides each gradient entry by its own size, so an entry near zero (the dropped
+    # sequences leave many) turns a rounding difference into a visible weight change: on an AVX2 CPU the
+    # embedding moved 4e-5 of its norm apart, with the metrics above equal to 1e-5.
     for name, w in one_weights.items():
-        assert float((two_weights[name] - w).norm() / w.norm()) <= 1e-5, name
+        assert float((two_weights[name] - w).norm() / w.norm()) <= 1e-4, name
 
 
 def test_task_gradients_and_pcgrad_are_global(two_ranks):
