@@ -97,8 +97,9 @@ def engine_bf16(config: Config) -> bool:
 
 @functools.cache
 def _warn_emulated_bf16(device_type: str) -> None:  # once per process, however many settings ask
-    log.warning("bf16 is set but this %s has no native bf16 matmuls: torch emulates them, many times slower "
-                "than float32; set model.bf16 and engine.bf16_weights to auto or false", device_type)
+    log.warning("bf16 is set but this %s shows no native bf16 matmuls (AVX512-BF16, AMX, Arm bf16): torch may "
+                "emulate them, many times slower than float32; set model.bf16 and engine.bf16_weights to auto or "
+                "false", device_type)
 
 
 def module_device(module: torch.nn.Module) -> torch.device:
