@@ -146,18 +146,17 @@ def test_a_rank_without_rows_joins_the_passes_and_adds_nothing(two_ranks):
 
 def test_mismatch_metrics_and_sequence_correction_are_global(two_ranks):
     """The mismatch/ metrics are means over the whole batch's tokens, and MIS's sequence weights give the
-    one-process update, whichever rank a sequence lands on."""
-    one_metrics, one_weights = _update("token-mean", False, **MIS)
-    two_metrics, two_weights = two_ranks["mis"]
+    one-process loss and gradient norm, whichever rank a sequence lands on."""
+    one_metrics, _ = _update("token-mean", False, **MIS)
+    two_metrics, _ = two_ranks["mis"]
     keys = [k for k in one_metrics if k.startswith("mismatch/")]
     assert len(keys) == 4 and one_metrics["mismatch/beyond_band_frac"] > 0
     for key in [*keys, "loss", "grad_norm", "off_policy/masked_frac"]:
         assert two_metrics[key] == pytest.approx(one_metrics[key], rel=1e-5, abs=1e-7), key
-    # AdamW's first step divides each gradient entry by its own size, so an entry near zero (the dropped
-    # sequences leave many) turns a rounding difference into a visible weight change: on an AVX2 CPU the
-    # embedding moved 4e-5 of its norm apart, with the metrics above equal to 1e-5.
-    for name, w in one_weights.items():
-        assert float((two_weights[name] - w).norm() / w.norm()) <= 1e-4, name
+    # The weights are not compared here: this update moves some weights by about one learning rate in norm,
+    # from gradient entries near zero, and AdamW's first step (each entry divided by its own size) turns the two
+    # layouts' rounding there into changes as large as the update (seen on an AVX2 CPU). The loss and the
+    # gradient's norm above, equal to 1e-5, are what per-rank sequence weights would change.
 
 
 def test_task_gradients_and_pcgrad_are_global(two_ranks):
