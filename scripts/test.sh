@@ -16,7 +16,9 @@ if ! { [ -x "$chromium" ] || command -v "$chromium" >/dev/null 2>&1; }; then
     exit 1
   fi
 fi
-python -m pytest tests "$@"
+# Two workers (pytest-xdist), each given whole modules so that module fixtures are built once.
+# POLYRL_TEST_WORKERS=0 runs everything in this process.
+python -m pytest tests -n "${POLYRL_TEST_WORKERS:-2}" --dist loadfile "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi
 exit "$rc"

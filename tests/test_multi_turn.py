@@ -317,8 +317,18 @@ def _docs_example() -> str:
     ).group(1)
 
 
-def test_the_documented_example_env_runs(tok):
-    ENVS.pop("unit_conversion", None)  # the example registers itself; allow a rerun in one process
+@pytest.fixture
+def registry_restored():
+    """ENVS as it was before the test: the docs' example registers itself, and later tests in this process
+    compare the registry with a fresh `polyrl tasks` (tests/test_cli_tasks_dryrun.py)."""
+    saved = dict(ENVS)
+    yield
+    ENVS.clear()
+    ENVS.update(saved)
+
+
+def test_the_documented_example_env_runs(tok, registry_restored):
+    ENVS.pop("unit_conversion", None)
     namespace: dict = {}
     exec(compile(_docs_example(), "docs/environments.md", "exec"), namespace)  # noqa: S102 - the doc's own code
     cfg = TaskConfig(name="unit_conversion", max_turns=3)
