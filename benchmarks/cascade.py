@@ -121,8 +121,9 @@ def block(results: list[dict]) -> str:
             f"{'yes' if r['every_domain_within_tolerance'] else '**no**'} | {r['final_mean']:.1f} | "
             f"{r['best_stage_mean']:.1f} ({r['best_stage']}) | {r['samples']} | {r['wall_minutes']:.1f} | {extra} |")
     for r in results:
+        precision = r.get("precision", {}).get("training", "bf16")  # runs before the field were all bf16
         lines += ["", f"`{r['config']}`, {r['variant']}, seed {r['seed']} ({r['eval_size']} held-out items per "
-                      f"task, {r['machine']}):", "", seed_table(r)]
+                      f"task, {r['machine']}, {precision}):", "", seed_table(r)]
     return "\n".join(lines)
 
 
@@ -150,6 +151,7 @@ def main() -> None:
         write_doc(args.doc, args.out)
         return
 
+    from polyrl.models.device import engine_bf16, model_bf16
     from polyrl.train.pipeline import registry, run_pipeline, table_markdown
 
     config = load(args.config, args.seed, args.scale, args.eval, args.plain)
@@ -164,6 +166,9 @@ def main() -> None:
         "variant": variant, "seed": args.seed, "scale": args.scale,
         "model": config.model.name,
         "machine": machine(),
+        # what model.bf16 / engine.bf16_weights (auto) resolved to here: runs in another precision differ
+        "precision": {"training": "bf16" if model_bf16(config) else "float32",
+                      "sampling": "bf16" if engine_bf16(config) else "float32"},
         "wall_minutes": wall_s / 60,  # stages only, shared CPU
         "eval_size": config.tasks[0].eval_size,
         "stages": [s.model_dump(mode="json", exclude_defaults=True) for s in config.stages],
@@ -178,7 +183,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.scale == 1 else f"-x{args.scale:g}"
     (args.out / f"{name}-{variant}-s{args.seed}{suffix}.json").write_text(json.dumps(result, indent=2))
-    if args.scale == 1 and args.eval is None:
+    if args.scale == 1 and args.eval is None and args.out == OUT:  # the doc shows the shipped folder only
         write_doc(args.doc, args.out)
     print(result["table"])
     print(json.dumps({k: result[k] for k in ("final_minus_best_points", "every_domain_within_tolerance",
