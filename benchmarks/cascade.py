@@ -183,7 +183,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = "" if args.scale == 1 else f"-x{args.scale:g}"
     (args.out / f"{name}-{variant}-s{args.seed}{suffix}.json").write_text(json.dumps(result, indent=2))
-    if args.scale == 1 and args.eval is None and args.out == OUT:  # the doc shows the shipped folder only
+    if args.scale == 1 and args.eval is None and args.out.resolve() == OUT:  # the doc shows the shipped folder only
         write_doc(args.doc, args.out)
     print(result["table"])
     print(json.dumps({k: result[k] for k in ("final_minus_best_points", "every_domain_within_tolerance",
