@@ -328,7 +328,6 @@ def registry_restored():
 
 
 def test_the_documented_example_env_runs(tok, registry_restored):
-    ENVS.pop("unit_conversion", None)
     namespace: dict = {}
     exec(compile(_docs_example(), "docs/environments.md", "exec"), namespace)  # noqa: S102 - the doc's own code
     cfg = TaskConfig(name="unit_conversion", max_turns=3)
