@@ -25,6 +25,14 @@ def test_smoke_and_quickstart_load():
     assert load_config(SMOKE.parent / "quickstart.yaml").model.name == "smollm2-135m-instruct"
 
 
+@pytest.mark.parametrize("path", sorted(SMOKE.parent.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_and_its_names_check(path):
+    """A shipped config with a misspelt key, task, param or stage task fails here, not in a user's first run."""
+    cfg = load_config(path)
+    names = {task.name for task in cfg.tasks}
+    assert cfg.tasks and all(set(stage.tasks or ()) <= names for stage in cfg.stages)
+
+
 def test_unknown_key_is_named(tmp_path):
     assert "optim.lrr: unknown key" in _error(tmp_path, overrides=["optim.lrr=1"])
 
@@ -41,6 +49,14 @@ def test_out_of_range_value_is_named(tmp_path):
 def test_unknown_task_lists_valid_ones(tmp_path):
     msg = _error(tmp_path, overrides=["tasks.0.name=chain_summ"])
     assert "tasks.0.name: unknown task 'chain_summ'" in msg and "chain_sum," in msg
+
+
+def test_bad_task_params_are_named_when_the_config_loads(tmp_path):
+    msg = _error(tmp_path, overrides=["tasks.0.params={min_term: 2}"])
+    assert "tasks.0.params" in msg and "min_term" in msg
+    crossed = "tasks.0.params={min_terms: 5, max_terms: 2}"
+    assert "max_terms must be >= min_terms" in _error(tmp_path, overrides=[crossed])
+    assert "tasks.0.params.seed: set by polyrl" in _error(tmp_path, overrides=["tasks.0.params={seed: 1}"])
 
 
 def test_unknown_algorithm_lists_valid_ones(tmp_path):

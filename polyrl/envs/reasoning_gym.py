@@ -115,8 +115,27 @@ class ReasoningGymTask(Task):
         return score_answer(self.train, item, self.extract_answer(reply))
 
 
+def check_params(name: str, params: dict[str, Any], key: str = "task") -> None:
+    """The params a reasoning-gym dataset would be built with, checked by its own config class (without
+    generating anything), so a misspelt or out-of-range param fails when the config loads."""
+    from reasoning_gym.factory import DATASETS
+
+    reserved = sorted({"size", "seed"} & set(params))
+    if reserved:
+        raise ValueError(f"{key}.params.{reserved[0]}: set by polyrl (train.seed, eval_size), not a task param")
+    config_cls = DATASETS[name][1]
+    try:
+        dataset_config = config_cls(**params)
+        if hasattr(dataset_config, "validate"):
+            dataset_config.validate()
+    except Exception as exc:  # noqa: BLE001 - whatever a dataset's config raises, the params are bad
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ValueError(f"{key}.params: {detail}") from None
+
+
 def _check(config: TaskConfig, key: str) -> None:
     check_task_name(config.name, key=f"{key}.name")
+    check_params(config.name, config.params, key)
 
 
 @register_env("reasoning_gym", check=_check)
