@@ -17,8 +17,8 @@ if ! { [ -x "$chromium" ] || command -v "$chromium" >/dev/null 2>&1; }; then
   fi
 fi
 # Two workers (pytest-xdist), each given whole modules so that module fixtures are built once.
-# POLYRL_TEST_WORKERS=0 runs everything in this process.
-python -m pytest tests -n "${POLYRL_TEST_WORKERS:-2}" --dist loadfile "$@"
+# POLYRL_TEST_WORKERS=0 runs everything in this process. The 15 slowest tests are listed at the end.
+python -m pytest tests -n "${POLYRL_TEST_WORKERS:-2}" --dist loadfile --durations=15 "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi
 exit "$rc"
