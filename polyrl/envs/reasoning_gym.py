@@ -39,6 +39,10 @@ def last_number(text: str) -> str | None:
     return found[-1].replace(",", "") if found else None
 
 
+def _first_line(exc: Exception) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def make_datasets(name: str, params: dict[str, Any], seed: int, eval_size: int) -> tuple[Any, Any]:
     """(training stream, held-out set) of one reasoning-gym dataset; bad params are a one-line ValueError."""
     import reasoning_gym
@@ -49,8 +53,7 @@ def make_datasets(name: str, params: dict[str, Any], seed: int, eval_size: int) 
         held_out = reasoning_gym.create_dataset(name, size=eval_size, seed=seed + EVAL_SEED_OFFSET, **params)
         train[0]  # items are generated lazily: make params that only fail there fail now
     except Exception as exc:  # noqa: BLE001 - whatever a dataset constructor raises, the params are bad
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(f"task '{name}': bad params {params}: {detail}") from None
+        raise ValueError(f"task '{name}': bad params {params}: {_first_line(exc)}") from None
     return train, held_out
 
 
@@ -129,8 +132,7 @@ def check_params(name: str, params: dict[str, Any], key: str = "task") -> None:
         if hasattr(dataset_config, "validate"):
             dataset_config.validate()
     except Exception as exc:  # noqa: BLE001 - whatever a dataset's config raises, the params are bad
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise ValueError(f"{key}.params: {detail}") from None
+        raise ValueError(f"{key}.params: {_first_line(exc)}") from None
 
 
 def _check(config: TaskConfig, key: str) -> None:
