@@ -1,5 +1,8 @@
 """LoRA: only adapters train, and the KL reference is the same weights with adapters disabled."""
 
+import gc
+from pathlib import Path
+
 import torch
 
 from polyrl.config import AlgorithmConfig, LoraConfig, OptimConfig
@@ -63,3 +66,20 @@ def test_bf16_base_is_shared_by_the_engine_copy():
     base = {n: p.data_ptr() for n, p in policy.named_parameters() if "base_layer" in n}
     shared = {n: p.data_ptr() for n, p in copy.named_parameters() if n in base}
     assert base and shared == base  # no second copy of the frozen base
+
+
+def test_bf16_base_releases_the_checkpoints_file_mapping(tmp_path):
+    """transformers memory-maps a safetensors checkpoint: a frozen weight left in the mapping keeps the whole
+    file's pages resident beside the bf16 copies, so nothing of the file may stay mapped."""
+    from polyrl.models.loading import tiny_random_model
+
+    tiny_random_model(seed=1).save_pretrained(tmp_path / "ckpt")
+    weights = str(tmp_path / "ckpt" / "model.safetensors")
+    mapped = lambda: weights in Path("/proc/self/maps").read_text()  # noqa: E731
+    full = load_model(str(tmp_path / "ckpt"), None, seed=1)
+    assert mapped()  # the full fine-tune writes its weights (copy-on-write): the mapping is no waste there
+    del full
+    gc.collect()
+    policy = load_model(str(tmp_path / "ckpt"), LoraConfig(r=4, alpha=8), seed=1, bf16=True)
+    gc.collect()
+    assert holds_bf16_weights(policy) and not mapped()

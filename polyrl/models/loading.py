@@ -239,7 +239,8 @@ def frozen_base_to_bf16(model: torch.nn.Module) -> int:
 
     Under bf16 autocast every matmul casts a float32 weight to bfloat16 (round to nearest even) before using it,
     so storing it cast gives the same results while halving its bytes and sparing the backward pass the cast
-    copies it would save. Embeddings, norms and the tied output head (used in float32 for log-probs) stay float32."""
+    copies it would save. Embeddings, norms and the tied output head (used in float32 for log-probs) stay float32,
+    copied out of the checkpoint file's mapping."""
     cast = 0
     for module in model.modules():
         base = getattr(module, "base_layer", None)
@@ -248,6 +249,12 @@ def frozen_base_to_bf16(model: torch.nn.Module) -> int:
             if base.bias is not None:
                 base.bias.data = base.bias.data.to(torch.bfloat16)
             cast += 1
+    # The checkpoint's weights are memory-mapped from its file, and frozen ones are never written, so the file's
+    # pages would stay resident beside their bf16 copies: copying the frozen float32 rest into the process
+    # releases the mapping.
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.dtype == torch.float32 and not tensor.requires_grad:
+            tensor.data = tensor.data.clone()
     return cast
 
 

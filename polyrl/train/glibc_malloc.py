@@ -104,6 +104,12 @@ def trim_above(budget: int | None) -> bool:
     rss = resident_bytes()
     if budget is None or rss is None or rss <= budget:
         return False
+    return give_back_freed_memory()
+
+
+def give_back_freed_memory() -> bool:
+    """Hand every free page of the heap back to the OS now (glibc's ``malloc_trim``); False where there is no
+    glibc."""
     libc = _libc()
     if libc is None or not hasattr(libc, "malloc_trim"):
         return False

@@ -37,7 +37,7 @@ from polyrl.rollout.policy_chat import EnginePolicy
 from polyrl.train import faults
 from polyrl.train.advantage_stage import assign_advantages
 from polyrl.train.agents import GroupRollout, Replay, Requests, add_metrics, episode_metrics
-from polyrl.train.glibc_malloc import keep_freed_memory, memory_budget, trim_above
+from polyrl.train.glibc_malloc import give_back_freed_memory, keep_freed_memory, memory_budget, trim_above
 from polyrl.train.learner import Learner
 from polyrl.train.multitask import CrossPolicy, build_curriculum, level_task, observe_curriculum, set_mixture
 from polyrl.train.teachers import load_teachers
@@ -302,7 +302,9 @@ def evaluate_all(run: Run) -> dict[str, float]:
 
 def _evaluate_tasks(run: Run, engine: HFEngine) -> dict[str, float]:
     cfg, ranks = run.config, current()
-    trim_above(run.memory_budget)  # evaluation's caches come on top of everything training holds
+    # Evaluation's caches come on top of everything training holds, and it runs seldom: it always starts with the
+    # freed memory given back, for a few page faults per evaluation.
+    give_back_freed_memory()
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     accuracy = {}
     for name, task in run.tasks.items():
