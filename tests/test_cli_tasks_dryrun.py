@@ -70,6 +70,8 @@ def test_dry_run_validates_prints_and_estimates_without_training(tmp_path):
     assert "per decoded token" in text
     peak = re.search(r"peak memory: ~([\d.]+) GB resident", text)
     assert peak and 0.05 < float(peak.group(1)) < 24  # a real figure: at least torch's own footprint
+    budget = re.search(r"freed memory stays for reuse until ([\d.]+) GB resident", text)
+    assert budget and float(budget.group(1)) > 0
     assert not out.exists() and not (tmp_path / "runs").exists()  # nothing trained or written
 
 

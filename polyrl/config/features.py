@@ -260,8 +260,8 @@ class RuntimeConfig(_Strict):
     memory_budget_gb: float | None = Field(None, gt=0)
     """Linux/glibc: resident memory (GB) above which the heap's free pages go back to the OS (``malloc_trim``)
     before each update (held-out evaluation always starts with them given back), so keeping freed memory takes
-    no more than the run is given. Unset: 80 % of the memory available when the run starts (MemAvailable, capped by a container's
-    cgroup limit)."""
+    no more than the run is given. Unset: 80 % of the memory available when the run starts (MemAvailable,
+    capped by a container's cgroup limit)."""
 
     @model_validator(mode="after")
     def _check_runtime(self) -> RuntimeConfig:

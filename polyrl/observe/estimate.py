@@ -9,7 +9,8 @@ Two measurements on the configured model, engine and learner:
 - update: one learner update (forward, backward, optimizer step, and the reference forward when KL is
   measured) on a dummy batch of the configured shape: every reply ``max_new_tokens`` long.
 - peak memory: this process's peak resident set after both, with the run built as training builds it: the
-  expected peak of a training step (held-out evaluation, with its own batch size, may add to it).
+  expected peak of a training step (held-out evaluation, with its own batch size, may add to it). Over a long
+  run, freed memory kept for reuse adds to it, up to ``runtime.memory_budget_gb``: that is printed beside it.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class StepEstimate:
     per_token_s: float
     update_s: float
     peak_rss_bytes: int | None = None
+    memory_budget_bytes: int | None = None
 
     @property
     def rollout_s(self) -> float:
@@ -63,6 +65,9 @@ class StepEstimate:
             "(held-out evaluation before/after not included)",
             *([f"peak memory: ~{self.peak_rss_bytes / 1e9:.2f} GB resident (this process, after the rollout and "
                "the update above; replies as long as allowed)"] if self.peak_rss_bytes else []),
+            *([f"memory kept between steps: freed memory stays for reuse until {self.memory_budget_bytes / 1e9:.2f} "
+               "GB resident, then goes back before the next update (runtime.memory_budget_gb); a long run peaks "
+               "near that plus one step's rise"] if self.memory_budget_bytes else []),
         ])
 
 
@@ -134,7 +139,7 @@ def estimate_step(config: Config) -> StepEstimate:
     return StepEstimate(
         samples=ro.prompts_per_step * ro.group_size, prompt_tokens=len(prompt), prompt_source=source,
         max_new_tokens=ro.max_new_tokens, prefill_s=prefill, per_token_s=per_token, update_s=update,
-        peak_rss_bytes=_peak_rss_bytes(),
+        peak_rss_bytes=_peak_rss_bytes(), memory_budget_bytes=run.memory_budget,
     )
 
 
