@@ -21,19 +21,20 @@ def step():  # an update's pattern: temporaries of 50-113 MB (above glibc's 32 M
     d = b.float() + 1
     return float(d[0] + c[0])
 faults = []
-for _ in range(10):
+for _ in range(20):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(applied, sum(faults[5:]))
+print(applied, *faults[10:])
 """
+BLOCK_PAGES = 50 * 2**20 // 4096  # the smallest large temporary of a step, in pages
 
 
-def steady_faults(mode: str) -> tuple[bool, int]:
-    """(thresholds applied, page faults of steps 6-10)."""
+def steady_faults(mode: str) -> tuple[bool, list[int]]:
+    """(thresholds applied, page faults of each of steps 11-20)."""
     out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)
-    applied, faults = out.stdout.split()
-    return applied == "True", int(faults)
+    applied, *faults = out.stdout.split()
+    return applied == "True", [int(f) for f in faults]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
@@ -41,8 +42,10 @@ def test_an_updates_temporaries_stop_page_faulting():
     applied, kept = steady_faults("keep")
     assert applied
     _, default = steady_faults("default")
-    assert default > 5 * 50 * 2**20 // 4096  # glibc's default: every step maps and faults its blocks in again
-    assert kept < default / 20  # raised thresholds: after a few steps the heap holds blocks to reuse
+    assert min(default) > BLOCK_PAGES  # glibc's default: every step maps and faults its blocks in again
+    # Raised thresholds: the heap holds the blocks for reuse. A block now and then lands in a fresh place (other
+    # threads' small allocations move the layout) and faults in once; most steps fault nothing of that size.
+    assert sum(f > BLOCK_PAGES // 10 for f in kept) <= 2, kept
 
 
 TRIM_PROBE = """
