@@ -11,6 +11,7 @@ bf16 sampling copy, gradients and optimizer states. Results: benchmarks/results/
     python benchmarks/memory.py --config configs/quickstart_lora.yaml     # ~3 min on 2 idle cores
     python benchmarks/memory.py --steps 2 --no-breakdown --out /tmp/memory_full.json
     python benchmarks/memory.py --config configs/quickstart_lora.yaml --whole --out /tmp/lora_whole.json
+    python benchmarks/memory.py --table benchmarks/results/memory_runs/seeds   # its whole runs into the docs
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import psutil
 from cascade import machine
+from doc_block import replace_block
 
 from polyrl.models.device import native_bf16
 
@@ -117,6 +119,25 @@ def breakdown(steps: int, eval_size: int) -> dict:
     }
 
 
+def whole_runs_table(folder: Path) -> str:
+    """A markdown table of the whole runs (``--whole``) whose results lie in ``folder``, by config and seed."""
+    rows = []
+    for path in sorted(folder.glob("*.json")):
+        result = json.loads(path.read_text())
+        run = result["run"]
+        if run["eval_before"] is None:  # a shortened run: no accuracy to set beside the others
+            continue
+        seed = next((int(a.split("=", 1)[1]) for a in run["command"].split() if a.startswith("train.seed=")), 0)
+        task = next(iter(run["eval_after"]))
+        rows.append((result["config"], seed, run["steps"], run["training_min"], 100 * run["eval_before"][task],
+                     100 * run["eval_after"][task], run["median_step_s"], run["peak_rss_gb"]))
+    lines = ["| config | seed | steps | training | held-out before → after | median step | peak RSS |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| `{c}` | {seed} | {n} | {m:.1f} min | {b:.1f} → {a:.1f} % | {t:.2f} s | {gb:.2f} GB |"
+              for c, seed, n, m, b, a, t, gb in sorted(rows)]
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=CONFIG[0])
@@ -126,7 +147,15 @@ def main() -> None:
     ap.add_argument("--whole", action="store_true", help="the config's whole run, as shipped (implies --no-breakdown)")
     ap.add_argument("--set", nargs="*", default=[], help="extra dotted overrides of the quickstart config")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "memory.json")
+    ap.add_argument("--table", type=Path, help="write the whole runs in this folder into docs/performance.md, run none")
     args = ap.parse_args()
+    if args.table:
+        name = args.table.resolve().name
+        table = whole_runs_table(args.table)
+        replace_block(ROOT / "docs" / "performance.md", f"<!-- memory-runs:{name}:start -->",
+                      f"<!-- memory-runs:{name}:end -->", table, f"Whole quickstart runs: {name}")
+        print(table)
+        return
     EXTRA.extend(args.set)
     CONFIG[0] = args.config.resolve()
     quiet = ["logging.progress=false", "logging.report=false", "logging.tensorboard=false", *EXTRA]
