@@ -36,7 +36,8 @@ START, END = "<!-- cascade:start -->", "<!-- cascade:end -->"
 def plain_stage(stage: dict) -> dict:
     """A stage of the plain cascade: no replay, no retention KL, no early stopping, and a distill stage run
     as the RL stages run (their rate and rollout, the configured task mix)."""
-    retention = ("replay", "replay_from", "retain_coef", "until_within", "eval_every", "focus", "lr", "rollout")
+    retention = ("replay", "replay_from", "retain_coef", "until_within", "keep_best", "eval_every", "focus", "lr",
+                 "rollout")
     return {k: v for k, v in stage.items() if k not in retention}
 
 
@@ -175,6 +176,7 @@ def main() -> None:
         "accuracy": {r["label"]: r["eval"] for r in state["rows"]},
         "regressions": {r["label"]: r.get("regressions", {}) for r in state["rows"][1:]},
         "early_stop": {r["label"]: r["early_stop"] for r in state["rows"] if "early_stop" in r},
+        "kept_best": {r["label"]: r["kept_best"] for r in state["rows"] if "kept_best" in r},
         "registry": {t: {"stage": v["stage"], "accuracy": v["accuracy"]} for t, v in registry(state["rows"]).items()},
         "tolerance_points": args.tolerance,
         "table": table_markdown(state, config.pipeline.regression_threshold),

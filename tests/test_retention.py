@@ -56,6 +56,7 @@ def test_validation_items_differ_from_the_reported_ones(tmp_path):
     ({"name": "d", "kind": "distill", "steps": 1, "rollout": {"group_sise": 2}}, "group_sise"),
     ({"name": "r", "steps": 1, "sft_from": "teacher"}, "sft_from applies to sft stages"),
     ({"name": "s", "kind": "sft", "steps": 1, "until_within": 0.0}, "until_within applies"),
+    ({"name": "d", "kind": "distill", "steps": 1, "keep_best": True}, "keep_best applies to rl stages"),
 ])
 def test_retention_keys_on_the_wrong_stage_are_config_errors(tmp_path, bad, msg):
     with pytest.raises(Exception, match=msg):
@@ -155,6 +156,37 @@ def test_distill_at_the_end_of_its_budget_keeps_the_best_part(tmp_path, monkeypa
     assert [p["steps"] for p in row["early_stop"]["parts"]] == [0, 2, 3] and row["steps"] == 3
     assert row["early_stop"]["kept_part"] == 1
     assert row["checkpoint"].endswith("2-distill/checkpoints/step-2")
+
+
+def test_best_mean_part_takes_the_highest_mean_and_the_earliest_on_a_tie():
+    parts = [{"validation": {"a": 0.5, "b": 0.25}},     # mean 0.375
+             {"validation": {"a": 0.75, "b": 0.125}},   # 0.4375: its own domain up by more than the other fell
+             {"validation": {"a": 0.875, "b": 0.0}},    # 0.4375 again: a tie goes to the earlier part
+             {"validation": {"a": 0.625, "b": 0.125}}]  # 0.375
+    assert retention.best_mean_part(parts) == 1
+    assert retention.best_mean_part(parts[:1]) == 0
+
+
+def test_rl_stage_with_keep_best_ends_at_its_best_validated_part(tmp_path, monkeypatch):
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+              {"name": "rl_b", "tasks": ["basic_arithmetic"], "steps": 5, "keep_best": True, "eval_every": 2}]
+    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
+    # rl_b raises basic_arithmetic, and by its last steps costs chain_sum more than it gains.
+    validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.1},
+                  "1-rl_a/checkpoints/step-1": {"chain_sum": 0.6, "basic_arithmetic": 0.1},
+                  "2-rl_b/checkpoints/step-2": {"chain_sum": 0.55, "basic_arithmetic": 0.3},
+                  "2-rl_b/checkpoints/step-4": {"chain_sum": 0.3, "basic_arithmetic": 0.4},
+                  "2-rl_b/checkpoints/step-5": {"chain_sum": 0.2, "basic_arithmetic": 0.45}}
+    held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.1}, {"chain_sum": 0.6, "basic_arithmetic": 0.1},
+                {"chain_sum": 0.55, "basic_arithmetic": 0.3}]
+    monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, validation))
+    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
+    row = state["rows"][2]
+    assert [p["steps"] for p in row["kept_best"]["parts"]] == [0, 2, 4, 5]  # every step is run
+    assert row["steps"] == 5 and row["samples"] == 5 * 2 * 2
+    assert row["kept_best"]["kept_part"] == 1 and row["checkpoint"].endswith("2-rl_b/checkpoints/step-2")
+    assert sorted(p.name for p in (tmp_path / "run/stages/2-rl_b/checkpoints").iterdir()) == [
+        "step-2", "step-4", "step-5"]
 
 
 def test_focus_weights_scale_each_task_by_its_shortfall_in_points():

@@ -172,8 +172,11 @@ class StageConfig(_Strict):
     accuracy is within this (a fraction) of its teacher's, checked every ``eval_every`` steps; ``steps`` is
     then the budget. Validation items are disjoint from the held-out ones the pipeline reports
     (pipeline.validation_size per task)."""
+    keep_best: bool = False
+    """rl stages: validate every task of the pipeline every ``eval_every`` steps and end the stage at the part
+    (the start included) with the highest mean validation accuracy, not necessarily its last step."""
     eval_every: int = Field(5, gt=0)
-    """Steps between the validation checks of ``until_within``."""
+    """Steps between the validation checks of ``until_within`` and ``keep_best``."""
     focus: float = Field(0.0, ge=0)
     """stages with ``until_within``: after each validation check, each task's sampling weight becomes
     its configured weight times 1 + ``focus`` x its shortfall to its teacher in points, so the domains
@@ -197,6 +200,8 @@ class StageConfig(_Strict):
         if not self.taught and self.until_within is not None:
             raise ValueError(f"stage '{self.name}': until_within applies to distill stages and sft stages with "
                              f"sft_from: teacher (it compares with the teachers), not this {self.kind} stage")
+        if self.keep_best and self.kind != "rl":
+            raise ValueError(f"stage '{self.name}': keep_best applies to rl stages, not {self.kind}")
         if self.focus and self.until_within is None:
             raise ValueError(f"stage '{self.name}': focus needs until_within (its validation checks)")
         return self

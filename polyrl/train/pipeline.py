@@ -8,7 +8,8 @@ reported, and with ``pipeline.on_regression: distill`` a distill stage is insert
 checkpoint (multi-teacher on-policy distillation, ``algorithms/distill.py``). A distill stage teaches every task,
 those whose best is its own starting checkpoint included (retention: they are held where they are while the
 others move), and is skipped when every task's teacher is its start. ``train/retention.py`` adds replay of
-earlier domains with a KL to their best checkpoints in RL stages, and early stopping of distill stages.
+earlier domains with a KL to their best checkpoints in RL stages, RL stages that keep their best validated
+part, and early stopping of distill stages.
 
 stages.json is also the pipeline's state: the plan (with inserted stages) and the finished stages' results, so
 ``--resume`` skips finished stages and resumes the interrupted one from its own checkpoint.
@@ -32,7 +33,7 @@ from polyrl.rollout.multi_turn import evaluate
 from polyrl.rollout.policy_chat import EnginePolicy
 from polyrl.train.checkpoint import latest_checkpoint
 from polyrl.train.loop import train
-from polyrl.train.retention import distill_until_within, replay_weights, validation_config
+from polyrl.train.retention import distill_until_within, replay_weights, rl_keep_best, validation_config
 from polyrl.train.sft import train_sft
 
 STATE = "stages.json"
@@ -246,6 +247,10 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
                                                log=log)
                 ckpt = summary["checkpoint"]
                 extra["early_stop"] = {k: summary[k] for k in ("kept_part", "parts", "teacher_validation")}
+            elif stage.keep_best:
+                summary = rl_keep_best(cfg, stage_dir, stage.steps, stage.eval_every, validate, resume, log)
+                ckpt = summary["checkpoint"]
+                extra["kept_best"] = {k: summary[k] for k in ("kept_part", "parts")}
             else:
                 summary = run_stage(cfg, stage_dir, resume=resume and stage_dir.exists(), log=log)
                 ckpt = latest_checkpoint(stage_dir)

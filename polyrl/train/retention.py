@@ -11,6 +11,8 @@ in docs/multidomain.md:
   validation items (disjoint from the reported held-out items) is within ``until_within`` of its teacher's,
   or its step budget ends; it keeps the part (possibly the start) whose worst gap to the teachers is smallest.
   With ``focus`` each part samples the tasks furthest behind their teachers more.
+- keeping the best part: an RL stage with ``keep_best`` is validated every ``eval_every`` steps on every
+  task and ends at the part (possibly the start) with the highest mean validation accuracy.
 """
 
 from __future__ import annotations
@@ -70,6 +72,50 @@ def validation_config(config: Config) -> Config:
     return load_config("validation", data=data)
 
 
+def train_in_parts(
+    config: Config,
+    stage_dir: Path,
+    budget: int,
+    every: int,
+    validate: Callable[[str], dict[str, float]],
+    done: Callable[[dict[str, float]], bool],
+    choose: Callable[[list[dict[str, Any]]], int],
+    reweight: Callable[[dict[str, float]], dict[str, float]] | None = None,
+    run_part: Callable[..., dict[str, Any]] = train,
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Run the stage ``config`` for at most ``budget`` steps, pausing every ``every`` steps to validate, until
+    ``done(validation)``; returns the checkpoint of the part ``choose(parts)`` keeps (the start is part 0), the
+    parts' history, the steps taken and their training time.
+
+    The parts are one run resumed (``train.stop_at_step``): one optimizer state and one learning-rate schedule
+    over the budget, so a pause is not a restart of Adam's moments or of the schedule. With ``reweight`` each
+    part samples the tasks by the weights it gives for the last validation (the sampler's state is its
+    cursors, so a new mixture resumes cleanly)."""
+    history = [{"steps": 0, "checkpoint": config.model.name, "validation": validate(config.model.name)}]
+    data = config.model_dump(mode="json")
+    data["train"].update(steps=budget, keep_checkpoints=budget // every + 1, checkpoint_every=0)
+    summary: dict[str, Any] = {}
+    while not done(history[-1]["validation"]) and history[-1]["steps"] < budget:
+        data["train"]["stop_at_step"] = min(history[-1]["steps"] + every, budget)
+        if reweight is not None:
+            weights = reweight(history[-1]["validation"])
+            for t in data["tasks"]:
+                t["weight"] = weights[t["name"]]
+            history[-1]["next_weights"] = weights
+        part = load_config(stage_dir.name, data=data)
+        summary = run_part(part, stage_dir, resume=len(history) > 1 or (resume and stage_dir.exists()), log=log)
+        ckpt = latest_checkpoint(stage_dir)
+        if ckpt is None:
+            raise RuntimeError(f"{stage_dir}: finished without a checkpoint")
+        history.append({"steps": summary["steps"], "checkpoint": str(ckpt), "validation": validate(str(ckpt))})
+        log(f"{stage_dir.name}: after {summary['steps']} steps, validation {history[-1]['validation']}")
+    kept = choose(history)
+    return {"checkpoint": history[kept]["checkpoint"], "kept_part": kept, "parts": history,
+            "steps": history[-1]["steps"], "train_time_s": summary.get("train_time_s", 0.0)}
+
+
 def distill_until_within(
     config: Config,
     stage_dir: Path,
@@ -82,37 +128,40 @@ def distill_until_within(
     resume: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run the distill stage ``config`` for at most ``budget`` steps, pausing every ``every`` steps to validate,
-    until every task's validation accuracy is within ``tolerance`` of its teacher's; returns the kept
-    checkpoint, the parts' history, the steps taken and their training time.
-
-    The parts are one run resumed (``train.stop_at_step``): one optimizer state and one learning-rate schedule
-    over the budget, so a pause is not a restart of Adam's moments or of the schedule. With ``focus`` each part
-    samples the tasks by ``focus_weights`` of the last validation (the sampler's state is its cursors, so a
-    new mixture resumes cleanly)."""
+    """The distill stage ``config`` in parts (``train_in_parts``) until every task's validation accuracy is
+    within ``tolerance`` of its teacher's; keeps the first part that is, else the one that falls least short.
+    With ``focus`` each part samples the tasks by ``focus_weights`` of the last validation."""
     teachers = {t.name: t.teacher for t in config.tasks}
     target = {task: validate(teacher)[task] for task, teacher in teachers.items()}
-    history = [{"steps": 0, "checkpoint": config.model.name, "validation": validate(config.model.name)}]
-    log(f"{stage_dir.name}: teachers' validation {target}, start {history[0]['validation']}")
-    data = config.model_dump(mode="json")
-    data["train"].update(steps=budget, keep_checkpoints=budget // every + 1, checkpoint_every=0)
-    configured = {t["name"]: t["weight"] for t in data["tasks"]}
-    summary: dict[str, Any] = {}
-    while worst_gap(history[-1]["validation"], target) < -tolerance and history[-1]["steps"] < budget:
-        data["train"]["stop_at_step"] = min(history[-1]["steps"] + every, budget)
-        if focus:
-            weights = focus_weights(configured, history[-1]["validation"], target, focus)
-            for t in data["tasks"]:
-                t["weight"] = weights[t["name"]]
-            history[-1]["next_weights"] = weights
-        part = load_config(stage_dir.name, data=data)
-        summary = run_part(part, stage_dir, resume=len(history) > 1 or (resume and stage_dir.exists()), log=log)
-        ckpt = latest_checkpoint(stage_dir)
-        if ckpt is None:
-            raise RuntimeError(f"{stage_dir}: finished without a checkpoint")
-        history.append({"steps": summary["steps"], "checkpoint": str(ckpt), "validation": validate(str(ckpt))})
-        log(f"{stage_dir.name}: after {summary['steps']} steps, validation {history[-1]['validation']}")
-    kept = choose_part(history, target, tolerance)
-    return {"checkpoint": history[kept]["checkpoint"], "kept_part": kept, "parts": history,
-            "teacher_validation": target, "steps": history[-1]["steps"],
-            "train_time_s": summary.get("train_time_s", 0.0)}
+    log(f"{stage_dir.name}: teachers' validation {target}, start {validate(config.model.name)}")
+    configured = {t.name: t.weight for t in config.tasks}
+    result = train_in_parts(
+        config, stage_dir, budget, every, validate,
+        done=lambda accuracy: worst_gap(accuracy, target) >= -tolerance,
+        choose=lambda parts: choose_part(parts, target, tolerance),
+        reweight=(lambda accuracy: focus_weights(configured, accuracy, target, focus)) if focus else None,
+        run_part=run_part, resume=resume, log=log)
+    return {**result, "teacher_validation": target}
+
+
+def best_mean_part(history: list[dict[str, Any]]) -> int:
+    """Index of the part with the highest mean validation accuracy over its tasks (the earliest on a tie)."""
+    means = [sum(part["validation"].values()) / len(part["validation"]) for part in history]
+    return means.index(max(means))
+
+
+def rl_keep_best(
+    config: Config,
+    stage_dir: Path,
+    steps: int,
+    every: int,
+    validate: Callable[[str], dict[str, float]],
+    resume: bool = False,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """The RL stage ``config``, all its ``steps``, validated every ``every`` steps on every task of the
+    pipeline; keeps the part (the start included) with the highest mean validation accuracy, so a stage
+    that gains its own domain by losing more on the others ends where the trade was best."""
+    log(f"{stage_dir.name}: start {validate(config.model.name)}")
+    return train_in_parts(config, stage_dir, steps, every, validate, done=lambda accuracy: False,
+                          choose=best_mean_part, resume=resume, log=log)
