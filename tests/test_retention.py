@@ -117,19 +117,23 @@ def _scripted(held_out: list[dict], validation: dict[str, dict]):
     return evaluate
 
 
+def _second_stage(tmp_path, monkeypatch, stages: list[dict], held_out: list[dict], validation: dict) -> dict:
+    """The second stage's row of a pipeline of ``stages`` run with scripted evaluations (``_scripted``)."""
+    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
+    monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, validation))
+    return pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)["rows"][2]
+
+
 def test_distill_stops_once_every_task_is_within_tolerance(tmp_path, monkeypatch):
     stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
               {"name": "distill", "kind": "distill", "steps": 6, "until_within": 0.02, "eval_every": 2}]
-    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
     # basic_arithmetic's teacher is the base (validation 0.5); the distill start is at 0.3, after 2 steps at 0.49.
     validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.5},
                   "1-rl_a/checkpoints/step-1": {"chain_sum": 0.6, "basic_arithmetic": 0.3},
                   "2-distill/checkpoints/step-2": {"chain_sum": 0.6, "basic_arithmetic": 0.49}}
     held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.5}, {"chain_sum": 0.6, "basic_arithmetic": 0.3},
                 {"chain_sum": 0.6, "basic_arithmetic": 0.5}]
-    monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, validation))
-    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
-    row = state["rows"][2]
+    row = _second_stage(tmp_path, monkeypatch, stages, held_out, validation)
     assert row["steps"] == 2 and row["samples"] == 2 * 2 * 2  # one part of 2 steps, not the budget of 6
     assert row["checkpoint"].endswith("2-distill/checkpoints/step-2")
     assert row["early_stop"]["kept_part"] == 1
@@ -141,16 +145,13 @@ def test_distill_stops_once_every_task_is_within_tolerance(tmp_path, monkeypatch
 def test_distill_at_the_end_of_its_budget_keeps_the_best_part(tmp_path, monkeypatch):
     stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
               {"name": "distill", "kind": "distill", "steps": 3, "until_within": 0.02, "eval_every": 2}]
-    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
     validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.5},
                   "1-rl_a/checkpoints/step-1": {"chain_sum": 0.6, "basic_arithmetic": 0.3},
                   "2-distill/checkpoints/step-2": {"chain_sum": 0.55, "basic_arithmetic": 0.44},
                   "2-distill/checkpoints/step-3": {"chain_sum": 0.4, "basic_arithmetic": 0.5}}
     held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.5}, {"chain_sum": 0.6, "basic_arithmetic": 0.3},
                 {"chain_sum": 0.55, "basic_arithmetic": 0.45}]
-    monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, validation))
-    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
-    row = state["rows"][2]
+    row = _second_stage(tmp_path, monkeypatch, stages, held_out, validation)
     # Parts of 2 and 1 steps (budget 3) of one run; neither within 0.02, part 1 falls least short (-0.06
     # against -0.2), and its checkpoint is still there to keep.
     assert [p["steps"] for p in row["early_stop"]["parts"]] == [0, 2, 3] and row["steps"] == 3
@@ -170,7 +171,6 @@ def test_best_mean_part_takes_the_highest_mean_and_the_earliest_on_a_tie():
 def test_rl_stage_with_keep_best_ends_at_its_best_validated_part(tmp_path, monkeypatch):
     stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
               {"name": "rl_b", "tasks": ["basic_arithmetic"], "steps": 5, "keep_best": True, "eval_every": 2}]
-    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
     # rl_b raises basic_arithmetic, and by its last steps costs chain_sum more than it gains.
     validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.1},
                   "1-rl_a/checkpoints/step-1": {"chain_sum": 0.6, "basic_arithmetic": 0.1},
@@ -179,9 +179,7 @@ def test_rl_stage_with_keep_best_ends_at_its_best_validated_part(tmp_path, monke
                   "2-rl_b/checkpoints/step-5": {"chain_sum": 0.2, "basic_arithmetic": 0.45}}
     held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.1}, {"chain_sum": 0.6, "basic_arithmetic": 0.1},
                 {"chain_sum": 0.55, "basic_arithmetic": 0.3}]
-    monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, validation))
-    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
-    row = state["rows"][2]
+    row = _second_stage(tmp_path, monkeypatch, stages, held_out, validation)
     assert [p["steps"] for p in row["kept_best"]["parts"]] == [0, 2, 4, 5]  # every step is run
     assert row["steps"] == 5 and row["samples"] == 5 * 2 * 2
     assert row["kept_best"]["kept_part"] == 1 and row["checkpoint"].endswith("2-rl_b/checkpoints/step-2")
@@ -201,16 +199,13 @@ def test_distill_with_focus_samples_the_task_furthest_behind_more_and_takes_its_
     stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
               {"name": "distill", "kind": "distill", "steps": 4, "until_within": 0.0, "eval_every": 2,
                "focus": 0.1, "rollout": {"prompts_per_step": 3, "group_size": 2}}]
-    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
     validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.5},
                   "1-rl_a/checkpoints/step-1": {"chain_sum": 0.6, "basic_arithmetic": 0.3},
                   "2-distill/checkpoints/step-2": {"chain_sum": 0.55, "basic_arithmetic": 0.45},
                   "2-distill/checkpoints/step-4": {"chain_sum": 0.6, "basic_arithmetic": 0.5}}
     held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.5}, {"chain_sum": 0.6, "basic_arithmetic": 0.3},
                 {"chain_sum": 0.6, "basic_arithmetic": 0.5}]
-    monkeypatch.setattr(pipeline, "evaluate_domains", _scripted(held_out, validation))
-    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
-    row = state["rows"][2]
+    row = _second_stage(tmp_path, monkeypatch, stages, held_out, validation)
     parts = row["early_stop"]["parts"]
     # Start: basic_arithmetic 20 points below its teacher (the base model) -> weight 1 + 0.1 * 20 = 3.
     assert parts[0]["next_weights"] == pytest.approx({"chain_sum": 1.0, "basic_arithmetic": 3.0})
