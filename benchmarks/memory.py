@@ -11,7 +11,7 @@ bf16 sampling copy, gradients and optimizer states. Results: benchmarks/results/
     python benchmarks/memory.py --config configs/quickstart_lora.yaml     # ~3 min on 2 idle cores
     python benchmarks/memory.py --steps 2 --no-breakdown --out /tmp/memory_full.json
     python benchmarks/memory.py --config configs/quickstart_lora.yaml --whole --out /tmp/lora_whole.json
-    python benchmarks/memory.py --table benchmarks/results/memory_runs/seeds   # its whole runs into the docs
+    python benchmarks/memory.py --table benchmarks/results/memory_runs/lora_micro_batch16   # into the docs
 """
 
 from __future__ import annotations
