@@ -205,3 +205,22 @@ def test_distill_stage_with_every_teacher_its_start_is_skipped(tmp_path, monkeyp
     assert distill["teachers"] == {}
     assert distill["checkpoint"] == rl["checkpoint"] and distill["eval"] == rl["eval"] and distill["steps"] == 0
     assert not (tmp_path / "run/stages/2-distill").exists()  # no training step was taken
+
+
+def test_a_task_whose_start_ties_its_best_is_retained_not_taught_by_the_earlier_checkpoint(tmp_path, monkeypatch):
+    # basic_arithmetic scores 0.5 at the base model and after rl: on a tie the distill stage's teacher is its
+    # start, so with chain_sum also at its best there it has nothing to teach and takes no step.
+    stages = [{"name": "rl", "steps": 1}, {"name": "distill", "kind": "distill", "steps": 1}]
+    cfg = load_config(write_config(tmp_path / "c.yaml", stages))
+    script = iter([{"chain_sum": 0.2, "basic_arithmetic": 0.5},  # base
+                   {"chain_sum": 0.6, "basic_arithmetic": 0.5}])  # 1-rl: chain_sum's best, basic_arithmetic ties
+    monkeypatch.setattr(pipeline, "evaluate_domains", lambda config, model: next(script))
+    state = pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)
+    rl, distill = state["rows"][1], state["rows"][2]
+    assert distill["steps"] == 0 and distill["checkpoint"] == rl["checkpoint"]
+    assert not (tmp_path / "run/stages/2-distill").exists()
+    # The table and the registry still name the earliest stage at that score.
+    assert json.loads((tmp_path / "run/registry.json").read_text())["basic_arithmetic"]["stage"] == "base"
+    rows = state["rows"][:2]
+    assert pipeline.registry(rows)["basic_arithmetic"]["checkpoint"] == "tiny-random"
+    assert pipeline.registry(rows, latest_on_tie=True)["basic_arithmetic"]["checkpoint"] == rl["checkpoint"]

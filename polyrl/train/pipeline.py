@@ -57,12 +57,13 @@ def evaluate_domains(config: Config, model_name: str) -> dict[str, float]:
     return out
 
 
-def registry(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Best row per task: {task: {stage, checkpoint, accuracy}}; the earliest stage wins a tie."""
+def registry(rows: list[dict[str, Any]], latest_on_tie: bool = False) -> dict[str, dict[str, Any]]:
+    """Best row per task: {task: {stage, checkpoint, accuracy}}; the earliest stage wins a tie, or the latest
+    with ``latest_on_tie`` (a taught stage's teachers: a task whose start scores its best is held there)."""
     best: dict[str, dict[str, Any]] = {}
     for row in rows:
         for task, acc in row["eval"].items():
-            if task not in best or acc > best[task]["accuracy"]:
+            if task not in best or acc > best[task]["accuracy"] or (latest_on_tie and acc == best[task]["accuracy"]):
                 best[task] = {"stage": row["label"], "checkpoint": row["checkpoint"], "accuracy": acc}
     return best
 
@@ -221,7 +222,7 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
         stage_dir = run_dir / "stages" / label
         start = state["rows"][-1]["checkpoint"]
         others = state["tasks"] if stage.replay_from == "all" else _trained_before(state, index)
-        cfg = stage_config(config, stage, label, start, registry(state["rows"]), others)
+        cfg = stage_config(config, stage, label, start, registry(state["rows"], stage.taught), others)
         extra: dict[str, Any] = {}
         if cfg is not None and stage.kind == "rl" and cfg.algorithm.distill_coef > 0:
             extra["retain_teachers"] = {t.name: t.teacher for t in cfg.tasks if t.teacher}
