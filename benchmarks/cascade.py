@@ -81,7 +81,7 @@ def summarise(state: dict, tolerance: float) -> dict:
         "final_mean": round(means[rows[-1]["label"]], 2),
         "best_stage_mean": round(means[best_stage], 2),
         "best_stage": best_stage,
-        "final_mean_at_least_best_stage": means[rows[-1]["label"]] >= means[best_stage],
+        "final_mean_at_least_best_stage": round(means[rows[-1]["label"]], 6) >= round(means[best_stage], 6),
         "samples": sum(r.get("samples") or 0 for r in rows[1:]),
         "samples_per_stage": {r["label"]: r.get("samples") for r in rows[1:]},
         "stage_wall_s": {r["label"]: round(r.get("wall_s") or 0.0, 1) for r in rows[1:]},

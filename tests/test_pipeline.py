@@ -135,6 +135,9 @@ def test_find_regressions_uses_the_threshold():
     found = pipeline.find_regressions(rows, {"a": 0.57, "b": 0.44}, threshold=0.02)
     assert found == {"a": {"best": 0.60, "best_stage": "1-x", "now": 0.57}}  # a fell 3 points, b only 1
     assert pipeline.find_regressions(rows, {"a": 0.59, "b": 0.44}, threshold=0.02) == {}
+    # 0.20 - 0.18 is 0.020000000000000018 in floating point: a drop of exactly the threshold is not more
+    assert pipeline.find_regressions([{"label": "base", "checkpoint": "m", "eval": {"a": 0.20}}], {"a": 0.18},
+                                      threshold=0.02) == {}
 
 
 def test_regression_inserts_a_distill_stage_from_the_best_checkpoint(tmp_path, monkeypatch):
