@@ -36,7 +36,9 @@ BASE = {
 THREE_STAGES = [
     {"name": "sft", "kind": "sft", "steps": 2},
     {"name": "rl", "kind": "rl", "tasks": ["chain_sum"], "steps": 2, "lr": 5e-4, "algorithm": {"advantage": "rloo"}},
-    {"name": "distill", "kind": "distill", "steps": 1},
+    # The tiny model scores 0 everywhere, so every task's best on a tie is the stage's start: chain_sum's teacher
+    # is named (the base model) so that the stage has something to teach.
+    {"name": "distill", "kind": "distill", "steps": 1, "teachers": {"chain_sum": "tiny-random"}},
 ]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
@@ -79,11 +81,12 @@ def test_three_stages_through_the_cli(three_stage_run):
     assert [t["name"] for t in rl_cfg["tasks"]] == ["chain_sum"]
     assert rl_cfg["optim"]["lr"] == 5e-4 and rl_cfg["algorithm"]["advantage"] == "rloo"
     assert distill_cfg["algorithm"]["pg_coef"] == 0.0 and distill_cfg["algorithm"]["distill_coef"] == 1.0
-    # The distill stage's teachers are the registry's best checkpoints at that point.
-    best_then = pipeline.registry(state["rows"][:3])
+    # The distill stage's teachers: the one it names, else the registry's best checkpoint at that point (on a
+    # tie the latest: here the stage's start).
+    best_then = pipeline.registry(state["rows"][:3], latest_on_tie=True)
+    assert best_then["basic_arithmetic"]["checkpoint"] == state["rows"][2]["checkpoint"]
     assert {t["name"]: t["teacher"] for t in distill_cfg["tasks"]} == {
-        k: v["checkpoint"] for k, v in best_then.items()
-    }
+        "chain_sum": "tiny-random", "basic_arithmetic": best_then["basic_arithmetic"]["checkpoint"]}
     sft_losses = [json.loads(x)["loss/sft"] for x in (run / "stages/1-sft/metrics.jsonl").read_text().splitlines()]
     assert len(sft_losses) == 2 and all(x > 0 for x in sft_losses)
     distill = [json.loads(x) for x in (run / "stages/3-distill/metrics.jsonl").read_text().splitlines()]
