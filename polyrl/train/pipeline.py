@@ -224,7 +224,7 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
         stage_dir = run_dir / "stages" / label
         start = state["rows"][-1]["checkpoint"]
         others = state["tasks"] if stage.replay_from == "all" else _trained_before(state, index)
-        cfg = stage_config(config, stage, label, start, registry(state["rows"], stage.taught), others)
+        cfg = stage_config(config, stage, label, start, registry(state["rows"], latest_on_tie=stage.taught), others)
         extra: dict[str, Any] = {}
         if cfg is not None and stage.kind == "rl" and cfg.algorithm.distill_coef > 0:
             extra["retain_teachers"] = {t.name: t.teacher for t in cfg.tasks if t.teacher}
