@@ -147,7 +147,8 @@ def test_misbehaving_agents_are_dropped_and_the_run_goes_on(tmp_path, monkeypatc
     from polyrl.train.step import build_run, rl_step
 
     monkeypatch.setattr(agent_rollout, "GRACE_S", 0.5)
-    task = {"name": "bad", "agent": "bad_agents:run", "items": [{"kind": k} for k in KINDS], "timeout_s": 2}
+    task = {"name": "bad", "agent": "bad_agents:run", "items": [{"kind": k} for k in KINDS], "timeout_s": 2,
+            "held_out_fraction": 0}  # every kind trains
     cfg = _config(tmp_path, monkeypatch, "bad_agents", BAD_AGENTS, [task])
     cfg.rollout.prompts_per_step = len(KINDS)  # one pass over the items: each kind once, in a group of 2
     run = build_run(cfg, tmp_path / "run")
@@ -177,8 +178,7 @@ def test_agent_task_config_errors_are_one_line_and_name_the_key(tmp_path, monkey
         ({"agent": "sync_agent:run", "items": [{}]}, "tasks.0.agent: 'sync_agent:run' must be an async function"),
         ({"agent": "ok_agent", "items": [{}]}, "is not a module:attr reference"),
         ({"agent": "ok_agent:run"}, "tasks.0.items: an agent task needs items"),
-        ({"agent": "ok_agent:run", "items": "items.jsonl"}, "items.jsonl: line 2 is not valid JSON"),
-        ({"agent": "ok_agent:run", "items": [1]}, "tasks.0.items: item 0 is a int, not an object"),
+        ({"agent": "ok_agent:run", "items": "missing.jsonl"}, "tasks.0.items: no such file 'missing.jsonl'"),
         ({"agent": "ok_agent:run", "items": [{}], "env": "tool_math"}, "give items or an env"),
         ({"env": "ok_agent:nothing"}, "tasks.0.env: 'ok_agent' has no attribute 'nothing'"),
     ]
@@ -189,6 +189,12 @@ def test_agent_task_config_errors_are_one_line_and_name_the_key(tmp_path, monkey
     with pytest.raises(ConfigError, match="runtime.kind: local"):
         load_config(None, data={**TINY, "tasks": [{"name": "t", "agent": "ok_agent:run", "items": [{}]}],
                                 "runtime": {"kind": "async"}})
+    # Rows are read when the task is built, before training: a bad one is one line naming the file and line.
+    for items, message in (("items.jsonl", "items.jsonl: line 2: not valid JSON"),
+                           ([1], "task.items: row 0: the row is a int, not an object")):
+        with pytest.raises(ValueError, match=re.escape(message)) as err:
+            make_task(TaskConfig(name="t", agent="ok_agent:run", items=items), 0)
+        assert "\n" not in str(err.value)
 
 
 def test_items_from_an_env_and_an_env_factory_by_module_attr(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import yaml
 from polyrl.config import ConfigError, RewardComponentConfig, TaskConfig, component_names
 from polyrl.config_check import load_config
 from polyrl.envs.base import make_task
-from polyrl.envs.humaneval import split_problems
+from polyrl.envs.humaneval import HumanEvalParams, problem_source
 from polyrl.envs.instruct import CONSTRAINTS, InstructParams, check_reply, make_item
 from polyrl.rewards.math import math_verify_score
 from polyrl.rewards.mix import weighted_reward
@@ -45,12 +45,16 @@ def test_reasoning_gym_task_with_math_verify_answers():
 
 
 def test_humaneval_split_is_deterministic_and_disjoint():
-    ids = [f"HumanEval/{i}" for i in range(164)]
-    train, held = split_problems(ids, 0.25, split_seed=0)
-    assert set(train).isdisjoint(held) and sorted(train + held, key=ids.index) == ids
+    def split(split_seed: int, seed: int = 0) -> tuple[set[str], list[str]]:
+        source = problem_source(HumanEvalParams(held_out_fraction=0.25, split_seed=split_seed), seed)
+        train = {source.train_item(i)["task_id"] for i in range(len(source))}
+        return train, [p["task_id"] for p in source.eval_items(1000)]
+
+    train, held = split(0)
+    assert train.isdisjoint(held) and len(train) + len(held) == 164
     assert 25 <= len(held) <= 60  # about a quarter
-    assert split_problems(ids, 0.25, split_seed=0) == (train, held)
-    assert split_problems(ids, 0.25, split_seed=1)[1] != held
+    assert split(0) == (train, held) and split(0, seed=5) == (train, held)  # the run seed does not move it
+    assert split(1)[1] != held
 
 
 def test_humaneval_env_rewards_passing_code_only():

@@ -39,7 +39,7 @@ def test_env_defaults_to_the_task_name_else_reasoning_gym():
 @pytest.mark.parametrize(
     "task,message",
     [
-        ({"name": "x", "env": "nope"}, "tasks.0.env: unknown env 'nope'; valid: frozen_lake, gym,"),
+        ({"name": "x", "env": "nope"}, "tasks.0.env: unknown env 'nope'; valid: dataset, frozen_lake, gym,"),
         ({"name": "chain_sums"}, "tasks.0.name: unknown task 'chain_sums'"),
         ({"name": "tool_math", "params": {"datset": "chain_sum"}}, "tasks.0.params.datset: unknown key"),
         ({"name": "tool_math", "params": {"dataset": "nope"}}, "tasks.0.params.dataset: unknown task 'nope'"),

@@ -83,13 +83,20 @@ class RewardComponentConfig(_Strict):
     """One term of a task's reward, or one criterion of a rubric; the reward is the weighted sum of its
     components, and each is logged on its own (``reward/criterion/<name>``)."""
 
-    kind: Literal["env", "judge", "rule"]
+    kind: Literal["env", "judge", "rule", "reward"] | None = None
     """env: the environment's own reward (its scorer, tests or rules); judge: the probability that a local
     model answers "yes" to ``rubric`` about the response (LLM-as-judge); rule: 1 if the response matches
-    the regular expression ``pattern``, else 0."""
+    the regular expression ``pattern``, else 0; reward: the function or built-in checker named by ``reward``.
+    Unset: reward when ``reward`` is given (``reward: judge`` is kind judge)."""
+    reward: str | None = None
+    """kind reward: a built-in checker (last_number, numeric, exact, math_verify, regex, code_tests) or a
+    function of yours as ``module:attr``, as for ``tasks[].reward`` (docs/your-data.md)."""
+    params: dict[str, Any] = {}
+    """kind reward, built-in checkers: their settings (numeric: tolerance, relative; regex: pattern; exact:
+    ignore_case; code_tests: tests_field, timeout_s)."""
     name: str | None = None
-    """The criterion's name in the trajectories' rewards and the metrics; unset: the kind (numbered when a
-    kind appears more than once)."""
+    """The criterion's name in the trajectories' rewards and the metrics; unset: the kind, or the reward's
+    name (numbered when a name appears more than once)."""
     weight: float = 1.0
     rubric: str = "Is the response a correct and helpful answer to the question?"
     """judge: the yes/no question put to the judge model about the question and the response."""
@@ -100,13 +107,42 @@ class RewardComponentConfig(_Strict):
     model: str | None = None
     """judge: an alias or Hugging Face directory of the judge model; unset uses ``model.name`` (a frozen copy)."""
 
+    @model_validator(mode="after")
+    def _kind(self) -> RewardComponentConfig:
+        if self.reward == "judge":
+            self.kind, self.reward = "judge", None
+        elif self.kind is None:
+            if self.reward is None:
+                raise ValueError("kind: required (env, judge, rule or reward), or name a reward")
+            self.kind = "reward"
+        if (self.kind == "reward") != (self.reward is not None):
+            raise ValueError("reward: a reward component names one (kind: reward); other kinds take none")
+        return self
+
 
 def component_names(components: Sequence[RewardComponentConfig]) -> list[str]:
-    """Each component's ``name``, else its kind (``env``, ``judge``, ``rule``), numbered (``judge_1``) only
-    when an unnamed kind appears more than once."""
-    kinds = [c.kind for c in components if c.name is None]
-    return [c.name if c.name is not None else c.kind if kinds.count(c.kind) == 1 else f"{c.kind}_{i}"
+    """Each component's ``name``, else its kind (``env``, ``judge``, ``rule``) or its reward's name
+    (``math_verify``, ``my_fn`` for ``my_mod:my_fn``), numbered (``judge_1``) only when an unnamed one appears
+    more than once."""
+    def base(c: RewardComponentConfig) -> str:
+        return c.kind if c.reward is None else c.reward.rpartition(":")[2].rpartition(".")[2]
+
+    bases = [base(c) for c in components if c.name is None]
+    return [c.name if c.name is not None else base(c) if bases.count(base(c)) == 1 else f"{base(c)}_{i}"
             for i, c in enumerate(components)]
+
+
+class AuditConfig(_Strict):
+    """The reward audit run before step 1 on tasks with your data or your reward (docs/your-data.md)."""
+
+    enabled: bool = True
+    """Off for rewards without reference answers (judged, preference-style, open-ended)."""
+    rows: int = Field(16, gt=1)
+    """Rows checked: each row's reference reply must earn the top reward, an empty reply and another row's
+    answer must not."""
+    reply: str = "{answer}"
+    """The reference reply, a template over the row's fields (``"#### {answer}"`` for a reward that wants
+    GSM8K's format; ``{answer}`` is the row's answer as ``answer_field`` reads it)."""
 
 
 class TaskConfig(_Strict):
@@ -122,10 +158,45 @@ class TaskConfig(_Strict):
     returning a reward (or ``(reward, info)``); it talks to the policy through polyrl's OpenAI-compatible
     endpoint and its calls are what is trained on (docs/agents.md, "Bring your own agent")."""
     items: list[Any] | str | None = None
-    """Agent tasks: the training items, inline or a .json / .jsonl file; unset takes them from ``env``."""
+    """Your data: a .jsonl, .json, .csv or .parquet file, a ``datasets`` ``save_to_disk`` folder, a glob of
+    shards (``data/train-*.parquet``), or a list inline. Without ``env`` the task is the single-turn
+    ``dataset`` env (prompt from ``prompt`` / the row's messages / ``question_field``, scored by ``reward``);
+    with an env, its episodes start from these rows (``reset(item)`` gets the row); an agent task's episodes
+    get them as ``item`` (docs/your-data.md)."""
     eval_items: list[Any] | str | None = None
-    """Agent tasks with ``items``: the held-out items (inline or a file); unset leaves the task out of
-    held-out evaluation. With ``env``, the env's own held-out items are used."""
+    """Held-out rows, in any form ``items`` takes; unset holds out ``held_out_fraction`` of ``items`` by hash."""
+    held_out_fraction: float = Field(0.1, ge=0, lt=1)
+    """With ``items`` and no ``eval_items``: the share of rows held out for evaluation, chosen by a stable hash
+    of each row's prompt, so no prompt is in both; 0 trains on every row and evaluates none."""
+    split_seed: int = 0
+    """Salt of the held-out hash: another value picks another held-out set."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A row that is not an object, lacks a field the prompt or reward reads, or has the wrong type: error stops
+    before training with the file, line and field; skip leaves it out and counts it."""
+    prompt: str | None = None
+    """The user message as a template over the row's fields: ``"{question} Answer with just the number."``
+    (``{extra_info[q]}`` reaches into a nested field). Unset: the row's chat messages (``messages_field``) if
+    it has them, else its ``question_field``."""
+    messages_field: str | None = None
+    """The field holding the prompt as chat messages (a list of {role, content}); unset: ``prompt`` when that
+    field holds a list (verl, TRL's conversational format)."""
+    question_field: str | None = None
+    """The field holding the question; unset: ``question``, else a ``prompt`` field holding text (TRL)."""
+    answer_field: str | None = None
+    """The field holding the reference answer the checkers compare with (dots reach into nested fields:
+    ``reward_model.ground_truth``); unset: ``answer``, else verl's ``reward_model.ground_truth``."""
+    reward: str | None = None
+    """The task's reward: a built-in checker (last_number, numeric, exact, math_verify, regex, code_tests) or
+    your function as ``module:attr``: ``score(completion, item) -> float | dict``, sync or async; batched
+    ``(completions, items)``; TRL's ``(prompts, completions, **kwargs)``; verl's ``(data_source,
+    solution_str, ground_truth, extra_info)``. Unset on a dataset task: the checker ``answer`` names."""
+    reward_params: dict[str, Any] = {}
+    """Settings of a built-in checker named by ``reward`` (as reward_components[].params)."""
+    reward_timeout_s: float = Field(30.0, gt=0)
+    """Seconds one call of your reward may run; past it the call's replies score 0 (counted in
+    ``reward/errors``) and training goes on."""
+    audit: AuditConfig = AuditConfig()
+    """The reward audit before step 1 (tasks with ``items`` or ``reward``)."""
     timeout_s: float = Field(300.0, gt=0)
     """Agent tasks: seconds an episode may run; one that takes longer is dropped."""
     weight: float = Field(1.0, gt=0)
@@ -156,7 +227,14 @@ class TaskConfig(_Strict):
     equality with the item's answer)."""
     eval_size: int = Field(200, gt=0)
     reward_components: list[RewardComponentConfig] = []
-    """Weighted reward terms or rubric criteria (env, judge, rule); empty is the env's reward alone."""
+    """Weighted reward terms or rubric criteria (env, judge, rule, reward); empty is the env's reward alone."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _audit_switch(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("audit"), bool):  # audit: false
+            data = {**data, "audit": {"enabled": data["audit"]}}
+        return data
     teacher: str | None = None
     """On-policy distillation teacher for this task: an alias or HF model directory (a checkpoint works),
     used when algorithm.distill_coef > 0. In a pipeline, stages[].teachers can name ``best`` instead."""

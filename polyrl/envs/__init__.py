@@ -1,12 +1,13 @@
 """Environments: the reset/step protocol, tools from Python functions, tool-call parsers and built-in envs.
 
 Importing this package registers the built-in envs (reasoning_gym, tool_math, retrieval_qa, frozen_lake,
-gym, humaneval, instruct, textarena) and agent tasks (``tasks[].agent``); ``make_task`` builds the task a config entry
-names.
+gym, humaneval, instruct, textarena, dataset) and agent tasks (``tasks[].agent``); ``make_task`` builds the
+task a config entry names.
 """
 
 from polyrl.envs import (  # noqa: F401
     agent,
+    dataset,
     gym_text,
     humaneval,
     instruct,

@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 from pydantic import BaseModel, ValidationError
 
 from polyrl.config import TaskConfig
+from polyrl.data.files import check_source
+from polyrl.data.items import GeneratedSource, ItemSource, dataset_source
 from polyrl.envs.tool_parsers import ToolParser, check_parser_name, get_parser
 from polyrl.envs.tools import Tool
 from polyrl.loader import is_reference, load_object
@@ -49,6 +51,9 @@ class Env(ABC):
     to delay (``ToolEnv`` sets 0.0 and honours it)."""
     max_turns: int = 1
     """Default turn limit; ``tasks[].max_turns`` in the config overrides it."""
+    batch_scorer: Any = None
+    """An object with ``step_many(envs, replies) -> list[StepResult]`` shared by envs whose replies are best
+    scored together (a batched reward): the rollout steps such envs of one turn in one call."""
     concurrent_steps: bool = False
     """True when ``step`` may wait on something outside the process (a tool, a service) and is safe to call
     from a worker thread: the rollout then steps such envs of one turn concurrently. Envs whose steps only
@@ -114,8 +119,9 @@ class TryAgainEnv(Env):
 
 
 class Task:
-    """A named stream of items and the env that plays them. Items are a pure function of an integer seed,
-    so the training stream (``seed + index``) and the held-out set are deterministic and lazy."""
+    """A named source of items and the env that plays them. Items come from one ``ItemSource``
+    (``polyrl.data.items``): generated from integer seeds (``make_item``: the training stream is
+    ``seed + index``, the held-out set ``seed + EVAL_SEED_OFFSET + i``) or a finite dataset split by hash."""
 
     def __init__(
         self,
@@ -123,12 +129,15 @@ class Task:
         make_env: Callable[[], Env],
         make_item: Callable[[int], dict[str, Any]] | None = None,
         seed: int = 0,
+        source: ItemSource | None = None,
     ) -> None:
         self.config = config
         self.name = config.name
         self._make_env = make_env
-        self._make_item = make_item
         self.seed = seed
+        if source is None and make_item is not None:
+            source = GeneratedSource(lambda i: make_item(seed + i), lambda i: make_item(seed + EVAL_SEED_OFFSET + i))
+        self.source = source
 
     def make_env(self) -> Env:
         env = self._make_env()
@@ -141,16 +150,22 @@ class Task:
             env = TryAgainEnv(env, self.config.attempts, self.config.attempt_feedback, self.config.attempt_discount)
         return env
 
+    @property
+    def has_eval_items(self) -> bool:
+        return self.source is not None and self.source.has_eval
+
     def train_item(self, index: int) -> dict[str, Any]:
-        if self._make_item is None:
-            raise NotImplementedError(f"task '{self.name}' has no item generator")
-        return self._make_item(self.seed + index)
+        if self.source is None:
+            raise NotImplementedError(f"task '{self.name}' has no item source")
+        return self.source.train_item(index)
 
     def eval_items(self, n: int | None = None) -> list[dict[str, Any]]:
-        if self._make_item is None:
-            raise NotImplementedError(f"task '{self.name}' has no item generator")
-        n = self.config.eval_size if n is None else n
-        return [self._make_item(self.seed + EVAL_SEED_OFFSET + i) for i in range(n)]
+        if self.source is None:
+            raise NotImplementedError(f"task '{self.name}' has no item source")
+        if not self.source.has_eval:
+            raise ValueError(f"task '{self.name}': no held-out items (give eval_items, or a held_out_fraction "
+                             "above 0)")
+        return self.source.eval_items(self.config.eval_size if n is None else n)
 
 
 @dataclass
@@ -206,13 +221,18 @@ def env_names() -> list[str]:
 
 
 def env_name(config: TaskConfig) -> str:
-    """``agent`` for an agent task, else ``tasks[].env``, or the env registered under the task's name, or
-    reasoning-gym."""
+    """``agent`` for an agent task, else ``tasks[].env``, or ``dataset`` for a task with ``items``, or the env
+    registered under the task's name, or reasoning-gym."""
     if config.agent is not None:
         return "agent"
     if config.env is not None:
         return config.env
+    if config.items is not None:
+        return "dataset"
     return config.name if config.name in ENVS else "reasoning_gym"
+
+OWN_ROWS = ("dataset", "agent")
+"""Envs that read ``items`` themselves; any other env given ``items`` plays those rows instead of its own."""
 
 
 _REFERENCED: dict[str, EnvSpec] = {}
@@ -249,9 +269,21 @@ def task_params(spec: EnvSpec, config: TaskConfig, key: str) -> Any:
 
 def check_task(config: TaskConfig, key: str = "task") -> None:
     """Config-time validation of one task entry; raises a one-line ValueError naming the key."""
-    spec = env_spec(env_name(config), f"{key}.env")
+    name = env_name(config)
+    spec = env_spec(name, f"{key}.env")
     check_parser_name(config.tool_parser, key=f"{key}.tool_parser")
     task_params(spec, config, key)
+    if name not in OWN_ROWS:
+        if config.reward is not None:
+            raise ValueError(f"{key}.reward: the env '{name}' scores its own episodes; add your reward to them "
+                             f"as a component ({key}.reward_components: [{{reward: {config.reward}}}])")
+        if config.eval_items is not None and config.items is None:
+            raise ValueError(f"{key}.eval_items: given without items; the env '{name}' makes its own held-out "
+                             "items")
+    if config.items is not None and not isinstance(config.items, list):
+        check_source(config.items, f"{key}.items")
+    if config.eval_items is not None and not isinstance(config.eval_items, list):
+        check_source(config.eval_items, f"{key}.eval_items")
     if spec.check is not None:
         spec.check(config, key)
 
@@ -265,6 +297,8 @@ def make_task(config: TaskConfig, seed: int, system_prompt: str | None = None, t
     parser = get_parser(config.tool_parser, tokenizer)
     ctx = TaskContext(seed, task_params(spec, config, "task"), parser, system_prompt, policy)
     task = spec.factory(config, ctx)
+    if config.items is not None and env_name(config) not in OWN_ROWS:  # the env plays your rows
+        task.source = dataset_source(config, seed)
     if config.tool_latency_s:
         task.make_env()  # fail at start-up, not at the first rollout, when the env has no tools to delay
     return task

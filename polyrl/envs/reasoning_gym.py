@@ -8,18 +8,16 @@ datasets are lazy and a large training size costs nothing.
 
 from __future__ import annotations
 
-import re
 from functools import cache
 from typing import Any
 
 from polyrl.config import TaskConfig
+from polyrl.data.items import GeneratedSource
 from polyrl.envs.base import EVAL_SEED_OFFSET, Env, Message, SingleTurnEnv, Task, TaskContext, register_env
+from polyrl.rewards.checks import last_number
 from polyrl.rewards.math import math_verify_score
 
 TRAIN_SIZE = 1_000_000
-
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
 
 @cache
 def task_names() -> list[str]:
@@ -31,12 +29,6 @@ def task_names() -> list[str]:
 def check_task_name(name: str, key: str = "task") -> None:
     if name not in task_names():
         raise ValueError(f"{key}: unknown task '{name}'; valid tasks: {', '.join(task_names())}")
-
-
-def last_number(text: str) -> str | None:
-    """The last number in a reply (the answer convention of the quickstart); commas inside it are dropped."""
-    found = _NUMBER.findall(text)
-    return found[-1].replace(",", "") if found else None
 
 
 def _first_line(exc: Exception) -> str:
@@ -86,21 +78,16 @@ class ReasoningGymTask(Task):
     ) -> None:
         """``dataset`` / ``dataset_params`` default to the task's name and params (envs built on a
         reasoning-gym dataset, like tool_math, pass their own)."""
-        super().__init__(config, self._env, seed=seed)
         self.system_prompt = system_prompt
         self.dataset = dataset or config.name
         params = config.params if dataset_params is None else dataset_params
         self.train, self.held_out = make_datasets(self.dataset, params, seed, config.eval_size)
+        source = GeneratedSource(lambda i: self.train[i % TRAIN_SIZE], lambda i: self.held_out[i],
+                                 eval_limit=len(self.held_out))
+        super().__init__(config, self._env, seed=seed, source=source)
 
     def _env(self) -> Env:
         return SingleTurnEnv(self.messages, self.score)
-
-    def train_item(self, index: int) -> dict[str, Any]:
-        return self.train[index % TRAIN_SIZE]
-
-    def eval_items(self, n: int | None = None) -> list[dict[str, Any]]:
-        n = len(self.held_out) if n is None else min(n, len(self.held_out))
-        return [self.held_out[i] for i in range(n)]
 
     def messages(self, item: dict[str, Any]) -> list[Message]:
         msgs = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []

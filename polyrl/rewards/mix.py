@@ -1,5 +1,6 @@
-"""Rewards made of weighted components (``tasks[].reward_components``): the env's own reward and
-LLM-as-judge scores, mixed by weight after a round is rolled out (before advantages and DAPO's filter)."""
+"""Rewards made of weighted components (``tasks[].reward_components``): the env's own reward, LLM-as-judge
+scores, rules and named rewards (built-in checkers or your functions), mixed by weight after a round is rolled
+out (before advantages and DAPO's filter)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from polyrl.config import component_names
+from polyrl.config import RewardComponentConfig, component_names
 from polyrl.envs.base import Task
 from polyrl.models.device import resolve_device
+from polyrl.rewards.functions import RewardFn, Sample
 from polyrl.rewards.judge import Judge
 from polyrl.types import Trajectory
 
@@ -45,6 +47,14 @@ def question_of(task: Task, item: dict[str, Any]) -> str:
     return str(users[-1]) if users else ""
 
 
+def sample_of(task: Task, item: dict[str, Any], response: str) -> Sample:
+    """What a named reward sees of a response: a dataset task's own view of its row, else the item with its
+    ``answer`` and the question it was asked."""
+    if hasattr(task, "sample"):
+        return task.sample(item, response)
+    return Sample(response, item, item.get("answer"), question_of(task, item))
+
+
 class RewardMixer:
     """Applies each task's reward components; judges are loaded once per model name and shared."""
 
@@ -56,6 +66,7 @@ class RewardMixer:
         self.tasks, self.tokenizer, self.default_judge, self.seed = tasks, tokenizer, default_judge, seed
         self.device = device
         self.judges: dict[str, Judge] = {}
+        self.functions: dict[tuple[str, str], RewardFn] = {}
         self.active = any(t.config.reward_components for t in tasks.values())
 
     def judge(self, name: str | None) -> Judge:
@@ -63,6 +74,12 @@ class RewardMixer:
         if name not in self.judges:
             self.judges[name] = Judge(name, seed=self.seed, device=resolve_device(self.device))
         return self.judges[name]
+
+    def reward_fn(self, task: str, key: str, comp: RewardComponentConfig) -> RewardFn:
+        if (task, key) not in self.functions:
+            timeout = self.tasks[task].config.reward_timeout_s
+            self.functions[task, key] = RewardFn(comp.reward, comp.params, timeout, f"tasks[{task}].reward_components")
+        return self.functions[task, key]
 
     def apply(self, trajectories: Sequence[Trajectory], items: dict[int, dict[str, Any]]) -> None:
         """Replace each trajectory's reward by its task's weighted components; ``items`` maps group id to the
@@ -82,6 +99,13 @@ class RewardMixer:
                     scores = [t.reward for t in mine]
                 elif comp.kind == "rule":
                     scores = rule_scores(comp.pattern, [self._response(t) for t in mine])
+                elif comp.kind == "reward":
+                    scored = self.reward_fn(name, key, comp).score(
+                        [sample_of(task, items[t.group_id], self._response(t)) for t in mine])
+                    scores = [s.reward for s in scored]
+                    for t, s in zip(mine, scored, strict=True):
+                        if s.error is not None:
+                            t.info["reward_error"] = s.error
                 else:
                     pairs = [(questions[t.group_id], self._response(t)) for t in mine]
                     refs = [reference_of(items[t.group_id], name) for t in mine] if comp.reference else None

@@ -194,16 +194,28 @@ def advance(episode: Episode, completion: Completion, limit: int, version: int, 
 
 
 def step_envs(turns: list[Turn]) -> list[StepResult]:
-    """Every turn's env step, in the order of ``turns``. Steps of envs with ``concurrent_steps`` run in
-    threads, so k tool calls that each wait L seconds cost about L, not k x L; each episode has its own env,
-    so the results are the ones the sequential loop would get. The others run in the calling thread."""
-    threaded = [t for t in turns if t.episode.env.concurrent_steps]
-    if len(threaded) < 2:
-        return [t.episode.env.step(t.reply) for t in turns]
+    """Every turn's env step, in the order of ``turns``. Envs that share a ``batch_scorer`` are stepped in one
+    call of it. Steps of envs with ``concurrent_steps`` run in threads, so k tool calls that each wait L seconds
+    cost about L, not k x L; each episode has its own env, so the results are the ones the sequential loop
+    would get. The others run in the calling thread."""
     results: dict[int, StepResult] = {}
+    batches: dict[int, list[Turn]] = {}
+    for t in turns:
+        if t.episode.env.batch_scorer is not None:
+            batches.setdefault(id(t.episode.env.batch_scorer), []).append(t)
+    for batch in batches.values():
+        scorer = batch[0].episode.env.batch_scorer
+        for t, result in zip(batch, scorer.step_many([t.episode.env for t in batch], [t.reply for t in batch]),
+                             strict=True):
+            results[id(t)] = result
+    turns_left = [t for t in turns if id(t) not in results]
+    threaded = [t for t in turns_left if t.episode.env.concurrent_steps]
+    if len(threaded) < 2:
+        results.update({id(t): t.episode.env.step(t.reply) for t in turns_left})
+        return [results[id(t)] for t in turns]
     with ThreadPoolExecutor(min(len(threaded), MAX_ENV_THREADS), thread_name_prefix="env-step") as pool:
         futures = {id(t): pool.submit(t.episode.env.step, t.reply) for t in threaded}
-        for t in turns:
+        for t in turns_left:
             if id(t) not in futures:
                 results[id(t)] = t.episode.env.step(t.reply)
         for t in threaded:
@@ -241,6 +253,8 @@ def to_trajectory(e: Episode, tokenizer: PreTrainedTokenizerBase) -> Trajectory:
     }
     if e.terminated_early:
         info["tokens_saved"] = e.tokens_saved
+    if e.env_done and "reward_error" in e.last_info:
+        info["reward_error"] = e.last_info["reward_error"]
     if e.env.tools:
         info.update(tool_calls=e.tool_calls, valid_tool_calls=e.valid_tool_calls, tool_errors=e.tool_errors)
     return Trajectory(
@@ -253,7 +267,7 @@ def to_trajectory(e: Episode, tokenizer: PreTrainedTokenizerBase) -> Trajectory:
         versions=e.versions,
         turn_spans=e.spans,
         text=_decode(tokenizer, e.ids[e.prompt_len :]),
-        rewards={e.task.name: total},
+        rewards={e.task.name: total, **(e.last_info.get("reward_terms") or {} if e.env_done else {})},
         reward=total,
         truncated=e.truncated,
         terminated_early=e.terminated_early,

@@ -20,6 +20,7 @@ from polyrl.parallel.checkpoint import is_sharded, load_sharded, save_sharded
 from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import RankFailedError, all_reduce_max, current, join_group, leave_group
 from polyrl.parallel.launch import launch_ranks
+from polyrl.rewards.audit import audit_tasks
 from polyrl.runtime import make_stepper
 from polyrl.runtime.ray_ranks import train_on_ray_ranks
 from polyrl.runtime.stepper import load_producer_state
@@ -46,12 +47,13 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
         _join(config)  # started by torchrun
     ranks = current()
     wall0 = time.perf_counter()
+    if not ranks.is_main:
+        log = _quiet
+    run = build_run(config, run_dir)
+    audit_tasks(run.tasks, log)  # a broken reward stops the run here, before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
     if ranks.is_main:
         (run_dir / "config.yaml").write_text(dump_config(config))
-    else:
-        log = _quiet
-    run = build_run(config, run_dir)
     summary_path = run_dir / "summary.json"
     summary: dict[str, Any] = json.loads(summary_path.read_text()) if resume and summary_path.exists() else {}
 

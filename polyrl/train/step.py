@@ -30,6 +30,7 @@ from polyrl.models.device import model_bf16, resolve_device
 from polyrl.models.loading import holds_bf16_weights, load_model, load_tokenizer
 from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import SHARD_SEED_STRIDE, all_gather_objects, contiguous_shards, current
+from polyrl.rewards.functions import reward_error_metrics
 from polyrl.rewards.mix import RewardMixer
 from polyrl.rewards.monitors import RewardMonitor, monitor_kind, monitor_metrics
 from polyrl.rollout.multi_turn import evaluate, rollout_metrics
@@ -188,6 +189,7 @@ def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: R
         metrics.update(monitor_metrics(groups.sampled))
     metrics.update(assign_advantages(groups.kept, algo, cfg.agents))  # estimator, task norm, step credit, ARPO
     metrics.update(episode_metrics(groups.sampled, cfg.agents))
+    metrics.update(reward_error_metrics(groups.sampled))
     metrics.update(round_metrics)
     return ScoredBatch(step, groups, metrics, t_rollout)
 
@@ -308,10 +310,11 @@ def _evaluate_tasks(run: Run, engine: HFEngine) -> dict[str, float]:
     max_new = cfg.eval.max_new_tokens or cfg.rollout.max_new_tokens
     accuracy = {}
     for name, task in run.tasks.items():
+        if not task.has_eval_items:  # a dataset with nothing held out (held_out_fraction: 0, no eval_items)
+            continue
         if isinstance(task, AgentTask):  # the agent's own episodes, on the endpoint (one learner rank)
-            if task.has_eval_items:
-                accuracy[name] = evaluate_agent(engine, cfg.model.name, task, task.config.eval_size, max_new,
-                                                cfg.eval.batch_size)["accuracy"]
+            accuracy[name] = evaluate_agent(engine, cfg.model.name, task, task.config.eval_size, max_new,
+                                            cfg.eval.batch_size)["accuracy"]
             continue
         result = evaluate(engine, task, task.config.eval_size, max_new, cfg.eval.batch_size,
                           part=(ranks.rank, ranks.world_size))

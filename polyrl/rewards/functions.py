@@ -1,0 +1,278 @@
+"""Rewards by name: ``reward: module:attr`` names a plain function of the user's, or a built-in checker
+(``polyrl.rewards.checks``) by its name.
+
+A user's function may take any of four forms, told apart by its parameter names:
+
+- ``score(completion, item) -> float | dict`` (sync or async), one reply at a time;
+- ``score(completions, items) -> list`` (sync or async), a batch at once;
+- TRL's ``reward(prompts, completions, **columns) -> list[float]``, the row's other fields as column lists;
+- verl's ``compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict``.
+
+A dict return is a set of named terms, each logged; the reward is its ``score`` (verl) or ``reward`` entry if
+it has one, else the sum of the terms. User functions run in a child process of their own, so one that runs
+past ``timeout_s`` is killed and its replies score 0, as do replies whose call raised: the error's first line
+is kept with the sample and counted in the metrics, and training goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import math
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from polyrl.loader import is_reference, load_object
+from polyrl.rewards.checks import CHECKS
+
+logger = logging.getLogger(__name__)
+
+CONVENTIONS = {
+    "single": "(completion, item)",
+    "batched": "(completions, items)",
+    "trl": "TRL's (prompts, completions, **kwargs)",
+    "verl": "verl's (data_source, solution_str, ground_truth, extra_info)",
+}
+
+
+@dataclass
+class Scored:
+    """One reply's reward: the total, its named terms, and the error that zeroed it (if any)."""
+
+    reward: float
+    terms: dict[str, float]
+    error: str | None = None
+
+
+@dataclass
+class Sample:
+    """What a reward sees of one reply."""
+
+    completion: str
+    item: dict[str, Any]
+    answer: Any
+    prompt: Any
+    """The row's prompt as given (a string or chat messages), for TRL-style functions."""
+    conversational: bool = False
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def convention_of(fn: Callable[..., Any], reference: str, key: str) -> str:
+    """Which of the four forms ``fn`` takes, from its parameter names; a one-line error otherwise."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: '{reference}' is not a function") from None
+    names = list(params)
+    if "solution_str" in names:
+        return "verl"
+    if "prompts" in names or ("completions" in names and any(p.kind is p.VAR_KEYWORD for p in params.values())
+                              and "items" not in names):
+        return "trl"
+    if "completions" in names and "items" in names:
+        return "batched"
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params.values()):
+        return "single"
+    raise ValueError(f"{key}: '{reference}' takes ({', '.join(names)}); a reward takes "
+                     + ", ".join(CONVENTIONS.values()))
+
+
+def is_async_function(fn: Any) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__dict__.get("__call__"))
+
+
+def to_scored(value: Any) -> Scored:
+    """A function's return value as a reward; anything but a finite number (or a dict of them) is an error."""
+    if value is None:  # TRL: this reward does not apply to the sample
+        return Scored(0.0, {})
+    if isinstance(value, dict):
+        terms = {str(k): _number(v, f"'{k}'") for k, v in value.items() if not isinstance(v, str)}
+        total = terms.get("score", terms.get("reward", sum(terms.values())))
+        return Scored(total, terms)
+    return Scored(_number(value, "the reward"), {})
+
+
+def _number(value: Any, what: str) -> float:
+    if isinstance(value, str | bytes) or not hasattr(value, "__float__"):  # numpy and torch scalars pass
+        raise TypeError(f"{what} is a {type(value).__name__}, not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{what} is {number}")
+    return number
+
+
+def _trl_columns(samples: list[Sample]) -> dict[str, list[Any]]:
+    fields = {k for s in samples for k in s.item if k not in ("prompt", "completion", "completions", "prompts")}
+    return {k: [s.item.get(k) for s in samples] for k in sorted(fields)}
+
+
+def _run_coroutines(coros: list[Any], timeout_s: float) -> list[Any]:
+    """Await each with its own timeout in a fresh loop; a failure is returned in its place."""
+    async def one(c: Any) -> Any:
+        return await asyncio.wait_for(c, timeout_s)
+
+    async def every() -> list[Any]:
+        return await asyncio.gather(*(one(c) for c in coros), return_exceptions=True)
+
+    return asyncio.run(every())
+
+
+def call(fn: Callable[..., Any], convention: str, samples: list[Sample], timeout_s: float) -> list[Any]:
+    """Call ``fn`` on the samples in its own form; each entry is its return value or the exception it raised
+    (a batched call that raises gives every sample that exception)."""
+    is_async = is_async_function(fn)
+    if convention in ("single", "verl"):
+        def one(s: Sample) -> Any:
+            if convention == "verl":
+                return fn(data_source=s.item.get("data_source"), solution_str=s.completion, ground_truth=s.answer,
+                          extra_info=s.item.get("extra_info"))
+            return fn(s.completion, s.item)
+        if is_async:
+            return _run_coroutines([one(s) for s in samples], timeout_s)
+        out: list[Any] = []
+        for s in samples:
+            try:
+                out.append(one(s))
+            except Exception as exc:  # noqa: BLE001 - the user's reward may raise anything on a reply
+                out.append(exc)
+        return out
+    try:
+        if convention == "batched":
+            result = fn([s.completion for s in samples], [s.item for s in samples])
+        else:
+            completions = [[{"role": "assistant", "content": s.completion}] if s.conversational else s.completion
+                           for s in samples]
+            result = fn(prompts=[s.prompt for s in samples], completions=completions, **_trl_columns(samples))
+        if is_async:
+            result = _run_coroutines([result], timeout_s)[0]
+            if isinstance(result, BaseException):
+                raise result
+        result = list(result)
+        if len(result) != len(samples):
+            raise ValueError(f"returned {len(result)} rewards for {len(samples)} completions")
+        return result
+    except Exception as exc:  # noqa: BLE001
+        return [exc] * len(samples)
+
+
+def _serve(conn: Any, reference: str, path: list[str], convention: str, timeout_s: float) -> None:
+    """The reward process: load the function by name, then score batches until told to stop."""
+    sys.path[:0] = [p for p in path if p not in sys.path]
+    fn = load_object(reference, "reward")
+    while (samples := conn.recv()) is not None:
+        results = call(fn, convention, samples, timeout_s)
+        conn.send([r if not isinstance(r, BaseException) else ("__error__", first_line(r)) for r in results])
+
+
+_reported: set[str] = set()
+
+
+def reward_error_metrics(trajectories: list[Any]) -> dict[str, float]:
+    """``reward/errors``: replies whose reward raised or timed out (scored 0); each new error's first line is
+    logged once."""
+    errors = [t.info["reward_error"] for t in trajectories if "reward_error" in t.info]
+    for message in sorted(set(errors) - _reported):
+        _reported.add(message)
+        logger.warning("a reward call failed (its replies score 0): %s", message)
+    return {"reward/errors": float(len(errors))} if errors else {}
+
+
+class RewardFn:
+    """A reward named in the config, ready to score batches of replies."""
+
+    def __init__(self, reference: str, params: dict[str, Any] | None = None, timeout_s: float = 30.0,
+                 key: str = "reward") -> None:
+        self.reference, self.params, self.timeout_s, self.key = reference, dict(params or {}), timeout_s, key
+        self.name = reference.rpartition(":")[2].rpartition(".")[2] if is_reference(reference) else reference
+        self.builtin = CHECKS.get(reference)
+        self._proc: Any = None
+        self.is_async = False
+        if self.builtin is not None:
+            self.convention = "builtin"
+            self.builtin.check_params(self.params, key)
+            return
+        if not is_reference(reference):
+            raise ValueError(f"{key}: unknown reward '{reference}'; built-in: {', '.join(sorted(CHECKS))}, "
+                             "or a function of yours as module:attr")
+        fn = load_object(reference, key)
+        if not callable(fn):
+            raise ValueError(f"{key}: '{reference}' is not callable")
+        if self.params:
+            raise ValueError(f"{key}: params are for built-in rewards; '{reference}' reads what it needs from "
+                             "the row")
+        self.convention = convention_of(fn, reference, key)
+        self.is_async = is_async_function(fn)
+
+    @property
+    def batched(self) -> bool:
+        return self.convention in ("batched", "trl")
+
+    def score(self, samples: list[Sample]) -> list[Scored]:
+        """Every sample's reward; a call that raised or timed out scores its samples 0 with the error."""
+        if not samples:
+            return []
+        if self.builtin is not None:
+            return [self._guard(lambda s=s: self.builtin.score(s.completion, s.answer, s.item, self.params))
+                    for s in samples]
+        if self.batched or self.is_async:
+            raw = self._remote(samples)
+        else:  # one call per reply, so a reply that hangs costs only its own score
+            raw = [r for s in samples for r in self._remote([s])]
+        return [Scored(0.0, {}, r[1]) if isinstance(r, tuple) and r[:1] == ("__error__",) else self._guard(
+            lambda r=r: r) for r in raw]
+
+    def _guard(self, value: Callable[[], Any]) -> Scored:
+        try:
+            return to_scored(value())
+        except Exception as exc:  # noqa: BLE001 - a bad return value is the sample's error, not a crash
+            return Scored(0.0, {}, first_line(exc))
+
+    def _remote(self, samples: list[Sample]) -> list[Any]:
+        if self._proc is None or not self._proc.is_alive():
+            self._start()
+        self._conn.send(samples)
+        # An async single-reply function times each reply in the child; the margin is its start-up.
+        limit = self.timeout_s + (5.0 if len(samples) > 1 and not self.batched else 0.0)
+        if self._conn.poll(limit):
+            try:
+                return self._conn.recv()
+            except EOFError:
+                pass
+            self.close()
+            return [("__error__", "the reward's process died")] * len(samples)
+        self.close()
+        return [("__error__", f"TimeoutError: ran past reward_timeout_s ({self.timeout_s:g} s)")] * len(samples)
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, daemon=True, name=f"reward-{self.name}",
+                                 args=(child, self.reference, [os.getcwd(), *sys.path], self.convention,
+                                       self.timeout_s))
+        self._proc.start()
+        child.close()
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join(5)
+            self._proc = None
+
+    def __getstate__(self) -> dict[str, Any]:  # the child process stays with its owner
+        return {**self.__dict__, "_proc": None, "_conn": None}
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            self.close()
