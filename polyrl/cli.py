@@ -1,4 +1,4 @@
-"""Command line: ``polyrl train | eval | serve | report | view | tasks``.
+"""Command line: ``polyrl train | eval | data | serve | report | view | tasks``.
 
 Each command imports what it runs inside its function: torch, transformers and pydantic take from a fraction of
 a second to seconds to import, and ``polyrl --help`` needs none of them. Only ``__main__.py`` imports this
@@ -221,6 +221,32 @@ def tasks() -> None:
     width = max(len(n) for n, _ in rg)
     for name, doc in rg:
         typer.echo(f"  {name:<{width}}  {doc}")
+
+
+@app.command("data")
+def data_cmd(
+    config: Annotated[Path, typer.Argument(help="Experiment YAML.")],
+    overrides: Annotated[list[str] | None, typer.Argument(help="Dotted overrides, e.g. tasks.0.reward=x:y.")] = None,
+) -> None:
+    """Show what a run would train on: row counts, prompts as the model sees them, their lengths in tokens,
+    held-out overlap, and the reward audit. Exits 1 when an audit fails."""
+    from polyrl.config import ConfigError
+    from polyrl.config_check import load_config
+
+    try:
+        cfg = load_config(config, overrides or [])
+    except ConfigError as exc:
+        _fail(str(exc))
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    from polyrl.models.loading import ModelNotFoundError, load_tokenizer
+    from polyrl.observe.data_report import describe_data
+
+    try:
+        passed = describe_data(cfg, load_tokenizer(cfg.model.name), typer.echo)
+    except (ModelNotFoundError, ValueError) as exc:
+        _fail(f"{config}: {exc}")
+    if not passed:
+        raise typer.Exit(1)
 
 
 @app.command("serve")

@@ -1,7 +1,7 @@
 """Environments: the reset/step protocol, tools from Python functions, tool-call parsers and built-in envs.
 
 Importing this package registers the built-in envs (reasoning_gym, tool_math, retrieval_qa, frozen_lake,
-gym, humaneval, instruct, textarena, dataset) and agent tasks (``tasks[].agent``); ``make_task`` builds the
+gym, humaneval, instruct, textarena, dataset, verifiers) and agent tasks (``tasks[].agent``); ``make_task`` builds the
 task a config entry names.
 """
 
@@ -15,6 +15,7 @@ from polyrl.envs import (  # noqa: F401
     retrieval,
     textarena_env,
     tool_math,
+    verifiers_env,
 )
 from polyrl.envs.base import (
     ENVS,

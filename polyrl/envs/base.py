@@ -191,6 +191,9 @@ class EnvSpec:
     check: Callable[[TaskConfig, str], None] | None = None
     """Extra config-time validation; raises ValueError naming ``key``."""
     doc: str = field(default="")
+    takes_name: bool = False
+    """Named as ``env: "<name>:<what>"`` (``verifiers:my-env``): the part after the colon is the factory's to read
+    from ``config.env``."""
 
 
 ENVS: dict[str, EnvSpec] = {}
@@ -202,6 +205,7 @@ def register_env(
     name: str,
     params: type[BaseModel] | None = None,
     check: Callable[[TaskConfig, str], None] | None = None,
+    takes_name: bool = False,
 ) -> Callable[[TaskFactory], TaskFactory]:
     """Decorator: ``@register_env("my_env")`` on a ``(config, ctx) -> Task`` factory makes
     ``tasks: [{name: x, env: my_env}]`` valid."""
@@ -209,7 +213,7 @@ def register_env(
     def wrap(factory: TaskFactory) -> TaskFactory:
         if name in ENVS:
             raise ValueError(f"env '{name}' is already registered")
-        ENVS[name] = EnvSpec(factory, params, check, (factory.__doc__ or "").strip().split("\n")[0])
+        ENVS[name] = EnvSpec(factory, params, check, (factory.__doc__ or "").strip().split("\n")[0], takes_name)
         return factory
 
     return wrap
@@ -245,6 +249,9 @@ def env_spec(name: str, key: str) -> EnvSpec:
     use)."""
     if name in ENVS:
         return ENVS[name]
+    prefix = name.partition(":")[0]
+    if prefix in ENVS and ENVS[prefix].takes_name:
+        return ENVS[prefix]
     if not is_reference(name):
         raise ValueError(f"{key}: unknown env '{name}'; valid: {', '.join(env_names())}, or module:attr")
     if name not in _REFERENCED:
@@ -273,7 +280,7 @@ def check_task(config: TaskConfig, key: str = "task") -> None:
     spec = env_spec(name, f"{key}.env")
     check_parser_name(config.tool_parser, key=f"{key}.tool_parser")
     task_params(spec, config, key)
-    if name not in OWN_ROWS:
+    if name not in OWN_ROWS and not spec.takes_name:
         if config.reward is not None:
             raise ValueError(f"{key}.reward: the env '{name}' scores its own episodes; add your reward to them "
                              f"as a component ({key}.reward_components: [{{reward: {config.reward}}}])")
@@ -297,7 +304,7 @@ def make_task(config: TaskConfig, seed: int, system_prompt: str | None = None, t
     parser = get_parser(config.tool_parser, tokenizer)
     ctx = TaskContext(seed, task_params(spec, config, "task"), parser, system_prompt, policy)
     task = spec.factory(config, ctx)
-    if config.items is not None and env_name(config) not in OWN_ROWS:  # the env plays your rows
+    if config.items is not None and env_name(config) not in OWN_ROWS and not spec.takes_name:  # env plays your rows
         task.source = dataset_source(config, seed)
     if config.tool_latency_s:
         task.make_env()  # fail at start-up, not at the first rollout, when the env has no tools to delay

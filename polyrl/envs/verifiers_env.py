@@ -4,7 +4,9 @@ A verifiers environment is an installed Python package whose module exposes ``lo
 it returns an ``Environment`` holding a dataset (rows with ``prompt``/``question``, ``answer``, ``info``) and
 a ``Rubric`` of reward functions. polyrl generates the reply itself, so this module only takes the rows and
 the prompt messages from the env and runs its rubric on one reply, as verifiers' own rollout would score it.
-It imports nothing from polyrl so it can be wired in (``env: "verifiers:<name>"``) on its own.
+A config names one as ``env: "verifiers:<name>"`` with ``params`` as ``load_environment``'s arguments; its rows
+become a dataset like any other (``polyrl.data.items``): the env's eval_dataset is the held-out set, or
+``held_out_fraction`` of its rows when it has none.
 
 verifiers 0.4 dropped the classic API (only ``verifiers.v1``) and needs ``openai<3``, so it does not install
 beside polyrl's pins; 0.3.1 does. Load environments from the main thread: verifiers installs signal handlers.
@@ -20,6 +22,12 @@ import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+from polyrl.config import TaskConfig
+from polyrl.data.files import ListRows
+from polyrl.data.items import DatasetSource
+from polyrl.envs.base import Env, Message, StepResult, Task, TaskContext, register_env
+from polyrl.rewards.functions import first_line
 
 INSTALL_HINT = "pip install 'verifiers==0.3.*' (0.3.1 installs beside polyrl; 0.4 has no classic API)"
 
@@ -187,4 +195,50 @@ def verifiers_score(
     return scores
 
 
-__all__ = ["load_verifiers_env", "verifiers_messages", "verifiers_rows", "verifiers_score"]
+class VerifiersEnv(Env):
+    """One row of a verifiers environment: its prompt, then its rubric on the reply."""
+
+    def __init__(self, vf_env: Any) -> None:
+        self.vf_env = vf_env
+        self.item: dict[str, Any] = {}
+        self.messages: list[Message] = []
+
+    def reset(self, item: dict[str, Any]) -> list[Message]:
+        self.item, self.messages = item, verifiers_messages(self.vf_env, item)
+        return self.messages
+
+    def step(self, assistant_message: str) -> StepResult:
+        try:
+            scores = verifiers_score(self.vf_env, self.item, self.messages, assistant_message)
+        except Exception as exc:  # noqa: BLE001 - a rubric that chokes on a reply scores it 0
+            return StepResult([], 0.0, True, {"score": 0.0, "reward_error": first_line(exc)})
+        total = scores.pop("reward")
+        return StepResult([], total, True, {"score": total, "reward_terms": scores})
+
+
+def _check(config: TaskConfig, key: str) -> None:
+    if config.items is not None or config.eval_items is not None:
+        raise ValueError(f"{key}.items: a verifiers environment brings its own rows; leave items unset")
+    _verifiers()
+
+
+@register_env("verifiers", check=_check, takes_name=True)
+def verifiers_task(config: TaskConfig, ctx: TaskContext) -> Task:
+    """An installed verifiers environment (env: "verifiers:<name>", params: its load_environment arguments)."""
+    name = (config.env or "").partition(":")[2]
+    if not name:
+        raise ValueError("task.env: name the verifiers environment: env: \"verifiers:<name>\"")
+    vf_env = load_verifiers_env(name, dict(config.params))
+    try:
+        train, held_out = verifiers_rows(vf_env, "train")
+    except ValueError:  # an eval-only environment: its rows are split like any dataset's
+        train, held_out = verifiers_rows(vf_env, "eval")
+
+    def key(row: dict[str, Any]) -> bytes:
+        return json.dumps(verifiers_messages(vf_env, row), sort_keys=True, default=str).encode()
+
+    source = DatasetSource(ListRows(train, f"verifiers:{name}"),
+                           ListRows(held_out, f"verifiers:{name} eval") if held_out else None,
+                           held_out_fraction=config.held_out_fraction, split_seed=config.split_seed, seed=ctx.seed,
+                           key=key, name=f"task '{config.name}'")
+    return Task(config, lambda: VerifiersEnv(vf_env), seed=ctx.seed, source=source)
