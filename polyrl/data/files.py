@@ -2,8 +2,8 @@
 shards of one of those; read lazily where the format allows, so a file larger than memory costs an index.
 
 A ``Rows`` is a sized, random-access sequence of dicts that also says where each row came from
-(``where(i)``: file and line, for error messages) and gives a stable identity for each row (``key(i)``: bytes
-that the held-out split hashes). JSONL is indexed by line offsets (8 bytes a row) and parsed on access;
+(``where(i)``: file and line, for error messages) and reads them all in order (``scan``) for the one pass that
+checks and splits them. JSONL is indexed by line offsets (8 bytes a row) and parsed on access;
 parquet and arrow are read a record batch at a time through pyarrow's memory map; .json and .csv are small by
 nature and read whole.
 """
@@ -34,14 +34,13 @@ class Rows(Sequence[dict[str, Any]]):
     def where(self, i: int) -> str:
         raise NotImplementedError
 
-    def key(self, i: int) -> bytes:
-        """Bytes that identify row ``i`` by its content (the held-out split hashes them)."""
-        return json.dumps(self[i], sort_keys=True, default=str).encode()
-
-    def keys(self) -> Iterator[bytes]:
-        """Every row's key in order; subclasses read these faster than row by row."""
+    def scan(self) -> Iterator[dict[str, Any] | RowError]:
+        """Every row in order, or the error reading it; subclasses read sequentially, faster than by index."""
         for i in range(len(self)):
-            yield self.key(i)
+            try:
+                yield self[i]
+            except RowError as exc:
+                yield exc
 
     def columns(self) -> list[str] | None:
         """The fields every row has when the format declares them (parquet, arrow, csv); None for JSON."""
@@ -108,14 +107,19 @@ class JsonlRows(Rows):
     def where(self, i: int) -> str:
         return f"{self.path}: line {int(self.lines[i])}"
 
-    def key(self, i: int) -> bytes:
-        return self._raw(i).strip()
-
-    def keys(self) -> Iterator[bytes]:
+    def scan(self) -> Iterator[dict[str, Any] | RowError]:
         with open(self.path, "rb") as f:
+            i = 0
             for line in f:
-                if line.strip():
-                    yield line.strip()
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    yield row if isinstance(row, dict) else RowError(
+                        f"{self.where(i)}: the row is a {type(row).__name__}, not an object")
+                except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                    yield RowError(f"{self.where(i)}: not valid JSON ({getattr(exc, 'msg', exc)})")
+                i += 1
 
     def __getstate__(self) -> dict[str, Any]:  # an open file does not pickle (Ray workers, spawned ranks)
         return {**self.__dict__, "_file": None}
@@ -166,10 +170,9 @@ class ArrowRows(Rows):
     def where(self, i: int) -> str:
         return f"{self.path}: row {i}"
 
-    def keys(self) -> Iterator[bytes]:
+    def scan(self) -> Iterator[dict[str, Any] | RowError]:
         for b in range(len(self.starts) - 1):
-            for row in self._batch(b):
-                yield json.dumps(row, sort_keys=True, default=str).encode()
+            yield from self._batch(b)
 
     def columns(self) -> list[str] | None:
         return list(self._schema.names)
@@ -204,13 +207,9 @@ class ConcatRows(Rows):
         part, j = self._locate(i)
         return part.where(j)
 
-    def key(self, i: int) -> bytes:
-        part, j = self._locate(i)
-        return part.key(j)
-
-    def keys(self) -> Iterator[bytes]:
+    def scan(self) -> Iterator[dict[str, Any] | RowError]:
         for part in self.parts:
-            yield from part.keys()
+            yield from part.scan()
 
     def columns(self) -> list[str] | None:
         cols = [p.columns() for p in self.parts]

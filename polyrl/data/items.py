@@ -58,10 +58,12 @@ class GeneratedSource:
         return [self.make_eval(i) for i in range(n)]
 
 
-def split_bucket(key: bytes, split_seed: int) -> float:
-    """A row's place in [0, 1) for the held-out split: a salted SHA-256 of its key."""
-    digest = hashlib.sha256(f"{split_seed}:".encode() + key).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64
+def split_bucket(key: bytes, split_seed: int, salted: Any = None) -> float:
+    """A row's place in [0, 1) for the held-out split: a salted SHA-256 of its key (``salted``: the hash of
+    the salt alone, to copy, when many rows are placed)."""
+    digest = (salted or hashlib.sha256(f"{split_seed}:".encode())).copy()
+    digest.update(key)
+    return int.from_bytes(digest.digest()[:8], "big") / 2**64
 
 
 def rows_key(row: dict[str, Any]) -> bytes:
@@ -126,12 +128,12 @@ class DatasetSource:
               ) -> tuple[np.ndarray, np.ndarray, set[bytes]]:
         """One pass over the rows: check each, and send it to training or held out."""
         train, held, keys = [], [], set()
-        for i in range(len(rows)):
-            try:
-                row = rows[i]
+        salted = hashlib.sha256(f"{split_seed}:".encode())
+        for i, row in enumerate(rows.scan()):
+            if isinstance(row, RowError):
+                problem = str(row).removeprefix(f"{rows.where(i)}: ")
+            else:
                 problem = self.check(row) if self.check is not None else None
-            except RowError as exc:
-                row, problem = None, str(exc).split(": ", 2)[-1]
             if problem is not None:
                 message = f"{rows.where(i)}: {problem}"
                 if not self.skip_bad_rows:
@@ -139,7 +141,7 @@ class DatasetSource:
                 self.skipped.append(message)
                 continue
             k = self.key(row)
-            if split > 0 and split_bucket(k, split_seed) < split:
+            if split > 0 and split_bucket(k, split_seed, salted) < split:
                 held.append(i)
             else:
                 train.append(i)

@@ -134,8 +134,13 @@ class RowFormat:
         return self.messages(row)[-1]["content"]
 
     def key(self, row: dict[str, Any]) -> bytes:
-        """The held-out split's key: the prompt as the model sees it, so one question is never on both sides."""
-        return json.dumps([m for m in self.messages(row) if m["role"] != "system"], sort_keys=True).encode()
+        """The held-out split's key: the prompt as written (template filled, messages, or question), so one
+        question is never on both sides."""
+        if self.config.prompt is not None:
+            return self.config.prompt.format_map(row).encode()
+        if (messages := self._messages_field(row)) is not None:
+            return json.dumps(field(row, messages), sort_keys=True, default=str).encode()
+        return str(field(row, self._question_field(row))).encode()
 
 
 class DatasetEnv(Env):
