@@ -46,6 +46,11 @@ class Rows(Sequence[dict[str, Any]]):
         """The fields every row has when the format declares them (parquet, arrow, csv); None for JSON."""
         return None
 
+    def blocks(self) -> np.ndarray | None:
+        """Row ids where each block starts (and the end), for formats that read a block to read a row; None
+        where any row is as cheap to read as any other."""
+        return None
+
 
 class ListRows(Rows):
     """Rows held in memory (inline in the config, a .json list, a .csv file)."""
@@ -126,13 +131,14 @@ class JsonlRows(Rows):
 
 
 class ArrowRows(Rows):
-    """Parquet or Arrow IPC files read one record batch at a time (the last one kept), so memory holds an
-    index and a batch, not the table."""
+    """Parquet or Arrow IPC files, memory-mapped and decoded one row group at a time (the last one kept), so
+    memory holds an index and a group, not the table. Parquet cannot read one row without decoding its group:
+    ``blocks`` tells the item source, which then shuffles groups and rows within each group."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._open()
-        self._cache: tuple[int, list[dict[str, Any]]] | None = None
+        self._cache: tuple[int, Any] | None = None
 
     def _open(self) -> None:
         import pyarrow as pa
@@ -157,22 +163,25 @@ class ArrowRows(Rows):
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def _batch(self, b: int) -> list[dict[str, Any]]:
+    def _group(self, b: int) -> Any:
         if self._cache is None or self._cache[0] != b:
-            batch = self._pq.read_row_group(b) if self._pq is not None else self._batches[b]
-            self._cache = (b, batch.to_pylist())
+            self._cache = (b, self._pq.read_row_group(b) if self._pq is not None else self._batches[b])
         return self._cache[1]
 
     def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
         b = bisect.bisect_right(self.starts, i) - 1
-        return self._batch(b)[i - int(self.starts[b])]
+        return self._group(b).slice(i - int(self.starts[b]), 1).to_pylist()[0]
 
     def where(self, i: int) -> str:
         return f"{self.path}: row {i}"
 
     def scan(self) -> Iterator[dict[str, Any] | RowError]:
-        for b in range(len(self.starts) - 1):
-            yield from self._batch(b)
+        batches = self._pq.iter_batches(batch_size=8192) if self._pq is not None else self._batches
+        for batch in batches:
+            yield from batch.to_pylist()
+
+    def blocks(self) -> np.ndarray | None:
+        return self.starts
 
     def columns(self) -> list[str] | None:
         return list(self._schema.names)
@@ -210,6 +219,14 @@ class ConcatRows(Rows):
     def scan(self) -> Iterator[dict[str, Any] | RowError]:
         for part in self.parts:
             yield from part.scan()
+
+    def blocks(self) -> np.ndarray | None:
+        parts = [p.blocks() for p in self.parts]
+        if all(b is None for b in parts):
+            return None
+        starts = [np.asarray(b if b is not None else [0, len(p)], dtype=np.int64) + self.starts[k]
+                  for k, (p, b) in enumerate(zip(self.parts, parts, strict=True))]
+        return np.unique(np.concatenate(starts))
 
     def columns(self) -> list[str] | None:
         cols = [p.columns() for p in self.parts]

@@ -66,6 +66,17 @@ def split_bucket(key: bytes, split_seed: int, salted: Any = None) -> float:
     return int.from_bytes(digest.digest()[:8], "big") / 2**64
 
 
+def epoch_order(ids: np.ndarray, blocks: np.ndarray | None, seed: list[int]) -> np.ndarray:
+    """A shuffle of positions 0..len(ids)-1. Where rows are read a block at a time (parquet row groups), the
+    blocks are shuffled and the rows within each, so an epoch decodes each block once."""
+    rng = np.random.default_rng(seed)
+    if blocks is None or len(blocks) <= 2:
+        return rng.permutation(len(ids))
+    block_of = np.searchsorted(blocks, ids, side="right") - 1
+    rank = rng.permutation(len(blocks))[block_of]  # each block's place in the epoch
+    return np.lexsort((rng.random(len(ids)), rank))
+
+
 def rows_key(row: dict[str, Any]) -> bytes:
     """The whole row as canonical JSON."""
     return json.dumps(row, sort_keys=True, default=str).encode()
@@ -161,7 +172,7 @@ class DatasetSource:
         n = len(self.train_ids)
         epoch = index // n
         if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(n))
+            self._order = (epoch, epoch_order(self.train_ids, self.rows.blocks(), [self.seed, epoch]))
         return int(self.train_ids[self._order[1][index % n]])
 
     def train_item(self, index: int) -> dict[str, Any]:
