@@ -189,7 +189,8 @@ class TaskConfig(_Strict):
     """The task's reward: a built-in checker (last_number, numeric, exact, math_verify, regex, code_tests) or
     your function as ``module:attr``: ``score(completion, item) -> float | dict``, sync or async; batched
     ``(completions, items)``; TRL's ``(prompts, completions, **kwargs)``; verl's ``(data_source,
-    solution_str, ground_truth, extra_info)``. Unset on a dataset task: the checker ``answer`` names."""
+    solution_str, ground_truth, extra_info)``; OpenRLHF's ``(queries, prompts, labels)``. Unset on a dataset
+    task: the checker ``answer`` names."""
     reward_params: dict[str, Any] = {}
     """Settings of a built-in checker named by ``reward`` (as reward_components[].params)."""
     reward_timeout_s: float = Field(30.0, gt=0)

@@ -1,12 +1,13 @@
 """Rewards by name: ``reward: module:attr`` names a plain function of the user's, or a built-in checker
 (``polyrl.rewards.checks``) by its name.
 
-A user's function may take any of four forms, told apart by its parameter names:
+A user's function may take any of these forms, told apart by its parameter names:
 
 - ``score(completion, item) -> float | dict`` (sync or async), one reply at a time;
 - ``score(completions, items) -> list`` (sync or async), a batch at once;
 - TRL's ``reward(prompts, completions, **columns) -> list[float]``, the row's other fields as column lists;
-- verl's ``compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict``.
+- verl's ``compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict``;
+- OpenRLHF's ``reward_func(queries, prompts, labels) -> list | tensor`` (a query is prompt + completion).
 
 A dict return is a set of named terms, each logged; the reward is its ``score`` (verl) or ``reward`` entry if
 it has one, else the sum of the terms. User functions run in a child process of their own, so one that runs
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import logging
 import math
 import multiprocessing
@@ -38,6 +40,7 @@ CONVENTIONS = {
     "batched": "(completions, items)",
     "trl": "TRL's (prompts, completions, **kwargs)",
     "verl": "verl's (data_source, solution_str, ground_truth, extra_info)",
+    "openrlhf": "OpenRLHF's (queries, prompts, labels)",
 }
 
 
@@ -68,7 +71,7 @@ def first_line(exc: BaseException) -> str:
 
 
 def convention_of(fn: Callable[..., Any], reference: str, key: str) -> str:
-    """Which of the four forms ``fn`` takes, from its parameter names; a one-line error otherwise."""
+    """Which of the forms ``fn`` takes, from its parameter names; a one-line error otherwise."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -76,6 +79,8 @@ def convention_of(fn: Callable[..., Any], reference: str, key: str) -> str:
     names = list(params)
     if "solution_str" in names:
         return "verl"
+    if "queries" in names:
+        return "openrlhf"
     if "prompts" in names or ("completions" in names and any(p.kind is p.VAR_KEYWORD for p in params.values())
                               and "items" not in names):
         return "trl"
@@ -151,6 +156,10 @@ def call(fn: Callable[..., Any], convention: str, samples: list[Sample], timeout
     try:
         if convention == "batched":
             result = fn([s.completion for s in samples], [s.item for s in samples])
+        elif convention == "openrlhf":
+            prompts = [s.prompt if isinstance(s.prompt, str) else json.dumps(s.prompt) for s in samples]
+            result = fn(queries=[p + s.completion for p, s in zip(prompts, samples, strict=True)], prompts=prompts,
+                        labels=[s.answer for s in samples])
         else:
             completions = [[{"role": "assistant", "content": s.completion}] if s.conversational else s.completion
                            for s in samples]
@@ -159,7 +168,7 @@ def call(fn: Callable[..., Any], convention: str, samples: list[Sample], timeout
             result = _run_coroutines([result], timeout_s)[0]
             if isinstance(result, BaseException):
                 raise result
-        result = list(result)
+        result = result.tolist() if hasattr(result, "tolist") else list(result)  # OpenRLHF returns a tensor
         if len(result) != len(samples):
             raise ValueError(f"returned {len(result)} rewards for {len(samples)} completions")
         return result
@@ -217,7 +226,7 @@ class RewardFn:
 
     @property
     def batched(self) -> bool:
-        return self.convention in ("batched", "trl")
+        return self.convention in ("batched", "trl", "openrlhf")
 
     def score(self, samples: list[Sample]) -> list[Scored]:
         """Every sample's reward; a call that raised or timed out scores its samples 0 with the error."""
