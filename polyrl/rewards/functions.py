@@ -12,7 +12,7 @@ A user's function may take any of these forms, told apart by its parameter names
 A dict return is a set of named terms, each logged; the reward is its ``score`` (verl) or ``reward`` entry if
 it has one, else the sum of the terms. User functions run in a child process of their own, so one that runs
 past ``timeout_s`` is killed and its replies score 0, as do replies whose call raised: the error's first line
-is kept with the sample and counted in the metrics, and training goes on.
+is kept with the sample and counted in the metrics, and training goes on (``polyrl.rewards.worker``).
 """
 
 from __future__ import annotations
@@ -23,17 +23,21 @@ import inspect
 import json
 import logging
 import math
-import multiprocessing
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 from polyrl.loader import is_reference, load_object
 from polyrl.rewards.checks import CHECKS
 
 logger = logging.getLogger(__name__)
+
+LOAD_TIMEOUT_S = 120.0
+"""Seconds a reward's process may take to import the function (heavy imports count here, not per call)."""
 
 CONVENTIONS = {
     "single": "(completion, item)",
@@ -176,15 +180,6 @@ def call(fn: Callable[..., Any], convention: str, samples: list[Sample], timeout
         return [exc] * len(samples)
 
 
-def _serve(conn: Any, reference: str, path: list[str], convention: str, timeout_s: float) -> None:
-    """The reward process: load the function by name, then score batches until told to stop."""
-    sys.path[:0] = [p for p in path if p not in sys.path]
-    fn = load_object(reference, "reward")
-    while (samples := conn.recv()) is not None:
-        results = call(fn, convention, samples, timeout_s)
-        conn.send([r if not isinstance(r, BaseException) else ("__error__", first_line(r)) for r in results])
-
-
 _reported: set[str] = set()
 
 
@@ -249,38 +244,49 @@ class RewardFn:
             return Scored(0.0, {}, first_line(exc))
 
     def _remote(self, samples: list[Sample]) -> list[Any]:
-        if self._proc is None or not self._proc.is_alive():
-            self._start()
-        self._conn.send(samples)
-        # An async single-reply function times each reply in the child; the margin is its start-up.
-        limit = self.timeout_s + (5.0 if len(samples) > 1 and not self.batched else 0.0)
-        if self._conn.poll(limit):
-            try:
-                return self._conn.recv()
-            except EOFError:
-                pass
-            self.close()
-            return [("__error__", "the reward's process died")] * len(samples)
+        try:
+            if self._proc is None or self._proc.poll() is not None:
+                self._start()
+            self._requests.send(samples)
+            # An async single-reply function times each reply in the child; the margin covers the batch.
+            limit = self.timeout_s + (5.0 if len(samples) > 1 and not self.batched else 0.0)
+            if self._replies.poll(limit):
+                return self._replies.recv()
+            why = f"TimeoutError: ran past reward_timeout_s ({self.timeout_s:g} s)"
+        except (EOFError, OSError) as exc:
+            why = f"the reward's process ended ({first_line(exc)})"
+        except RuntimeError as exc:
+            why = str(exc)
         self.close()
-        return [("__error__", f"TimeoutError: ran past reward_timeout_s ({self.timeout_s:g} s)")] * len(samples)
+        return [("__error__", why)] * len(samples)
 
     def _start(self) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, daemon=True, name=f"reward-{self.name}",
-                                 args=(child, self.reference, [os.getcwd(), *sys.path], self.convention,
-                                       self.timeout_s))
-        self._proc.start()
-        child.close()
+        """A fresh worker process with the function loaded; RuntimeError when it cannot load it."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        self._proc = subprocess.Popen([sys.executable, "-m", "polyrl.rewards.worker"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env)
+        self._requests = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
+        self._replies = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
+        self._proc.stdin.close()
+        self._proc.stdout.close()
+        self._requests.send((self.reference, [os.getcwd(), *sys.path], self.convention, self.timeout_s))
+        if not self._replies.poll(LOAD_TIMEOUT_S):
+            raise RuntimeError(f"the reward's process did not load '{self.reference}' in {LOAD_TIMEOUT_S:g} s")
+        kind, message = self._replies.recv()
+        if kind != "ready":
+            raise RuntimeError(f"the reward's process could not load '{self.reference}': {message}")
 
     def close(self) -> None:
         if self._proc is not None:
+            for conn in (self._requests, self._replies):
+                with contextlib.suppress(OSError):
+                    conn.close()
             self._proc.kill()
-            self._proc.join(5)
+            self._proc.wait(5)
             self._proc = None
 
     def __getstate__(self) -> dict[str, Any]:  # the child process stays with its owner
-        return {**self.__dict__, "_proc": None, "_conn": None}
+        return {**self.__dict__, "_proc": None, "_requests": None, "_replies": None}
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown
