@@ -237,7 +237,7 @@ class ConcatRows(Rows):
 
 def _read_json(path: Path) -> ListRows:
     try:
-        rows = json.loads(path.read_text(encoding="utf-8"))
+        rows = json.loads(path.read_text(encoding="utf-8-sig"))  # -sig: a byte-order mark is not a field
     except json.JSONDecodeError as exc:
         raise RowError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     if isinstance(rows, dict) and isinstance(rows.get("data"), list):  # {"data": [...]}, as some exports write
@@ -248,7 +248,7 @@ def _read_json(path: Path) -> ListRows:
 
 
 def _read_csv(path: Path) -> ListRows:
-    with open(path, newline="", encoding="utf-8") as f:
+    with open(path, newline="", encoding="utf-8-sig") as f:  # spreadsheets write a byte-order mark
         reader = csv.DictReader(f)
         rows, lines = [], []
         for row in reader:

@@ -77,8 +77,16 @@ def epoch_order(ids: np.ndarray, blocks: np.ndarray | None, seed: list[int]) -> 
     return np.lexsort((rng.random(len(ids)), rank))
 
 
+PROMPT_FIELDS = ("question", "prompt", "messages")
+"""Fields that hold a row's prompt in the common formats: the default split key."""
+
+
 def rows_key(row: dict[str, Any]) -> bytes:
-    """The whole row as canonical JSON."""
+    """The row's prompt field as canonical JSON where it has one (so one question with two ids is not on both
+    sides), else the whole row."""
+    for name in PROMPT_FIELDS:
+        if name in row:
+            return json.dumps(row[name], sort_keys=True, default=str).encode()
     return json.dumps(row, sort_keys=True, default=str).encode()
 
 

@@ -21,6 +21,7 @@ from polyrl.data.items import GeneratedSource, ItemSource, dataset_source
 from polyrl.envs.tool_parsers import ToolParser, check_parser_name, get_parser
 from polyrl.envs.tools import Tool
 from polyrl.loader import is_reference, load_object
+from polyrl.rewards.functions import RewardFn
 
 Message = dict[str, Any]
 """A chat message: ``{"role": ..., "content": ...}`` (tool results may add ``name``)."""
@@ -280,6 +281,13 @@ def check_task(config: TaskConfig, key: str = "task") -> None:
     spec = env_spec(name, f"{key}.env")
     check_parser_name(config.tool_parser, key=f"{key}.tool_parser")
     task_params(spec, config, key)
+    if config.reward is not None and name == "agent":
+        raise ValueError(f"{key}.reward: an agent task's reward is what its agent returns; score there, or mix a "
+                         f"named reward in with {key}.reward_components")
+    for j, comp in enumerate(config.reward_components):
+        if comp.kind == "reward":  # imported and checked now, not at the first scored step
+            RewardFn(comp.reward, comp.params, config.reward_timeout_s, f"{key}.reward_components.{j}.reward",
+                     f"{key}.reward_components.{j}.params")
     if name not in OWN_ROWS and not spec.takes_name:
         if config.reward is not None:
             raise ValueError(f"{key}.reward: the env '{name}' scores its own episodes; add your reward to them "

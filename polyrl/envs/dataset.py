@@ -193,7 +193,7 @@ def _check(config: TaskConfig, key: str) -> None:
     if config.reward is None and config.reward_params:
         raise ValueError(f"{key}.reward_params: set for no reward; name a built-in checker in {key}.reward")
     RewardFn(config.reward or DEFAULT_REWARD[config.answer], config.reward_params, config.reward_timeout_s,
-             f"{key}.reward")
+             f"{key}.reward", f"{key}.reward_params")
     if config.prompt is not None:
         try:
             template_fields(config.prompt)

@@ -79,20 +79,21 @@ class Check:
         return self.fn(reply, answer, item, params)
 
     def check_params(self, params: dict[str, Any], key: str) -> None:
+        """``key`` is the config key holding ``params`` (``tasks.0.reward_params``)."""
         for name, value in params.items():
             if name not in self.params:
-                raise ValueError(f"{key}.params.{name}: unknown; valid: {', '.join(self.params) or 'none'}")
+                raise ValueError(f"{key}.{name}: unknown; valid: {', '.join(self.params) or 'none'}")
             want = (int, float) if self.params[name] is float else self.params[name]
             if not isinstance(value, want) or isinstance(value, bool) and self.params[name] is not bool:
-                raise ValueError(f"{key}.params.{name}: expected {self.params[name].__name__}, got {value!r}")
+                raise ValueError(f"{key}.{name}: expected {self.params[name].__name__}, got {value!r}")
         for name in self.required:
             if name not in params:
-                raise ValueError(f"{key}.params.{name}: required")
+                raise ValueError(f"{key}.{name}: required")
         if "pattern" in params:
             try:
                 re.compile(str(params["pattern"]).replace("{answer}", "x"))
             except re.error as exc:
-                raise ValueError(f"{key}.params.pattern: not a regular expression ({exc})") from None
+                raise ValueError(f"{key}.pattern: not a regular expression ({exc})") from None
 
 
 CHECKS: dict[str, Check] = {

@@ -197,7 +197,8 @@ class RewardFn:
     """A reward named in the config, ready to score batches of replies."""
 
     def __init__(self, reference: str, params: dict[str, Any] | None = None, timeout_s: float = 30.0,
-                 key: str = "reward") -> None:
+                 key: str = "reward", params_key: str | None = None) -> None:
+        """``key`` names the config key of ``reference`` in errors, ``params_key`` that of ``params``."""
         self.reference, self.params, self.timeout_s, self.key = reference, dict(params or {}), timeout_s, key
         self.name = reference.rpartition(":")[2].rpartition(".")[2] if is_reference(reference) else reference
         self.builtin = CHECKS.get(reference)
@@ -205,7 +206,7 @@ class RewardFn:
         self.is_async = False
         if self.builtin is not None:
             self.convention = "builtin"
-            self.builtin.check_params(self.params, key)
+            self.builtin.check_params(self.params, params_key or f"{key}.params")
             return
         if not is_reference(reference):
             raise ValueError(f"{key}: unknown reward '{reference}'; built-in: {', '.join(sorted(CHECKS))}, "
@@ -214,8 +215,8 @@ class RewardFn:
         if not callable(fn):
             raise ValueError(f"{key}: '{reference}' is not callable")
         if self.params:
-            raise ValueError(f"{key}: params are for built-in rewards; '{reference}' reads what it needs from "
-                             "the row")
+            raise ValueError(f"{params_key or key + '.params'}: settings are for built-in rewards; '{reference}' "
+                             "reads what it needs from the row")
         self.convention = convention_of(fn, reference, key)
         self.is_async = is_async_function(fn)
 
@@ -263,7 +264,7 @@ class RewardFn:
     def _start(self) -> None:
         """A fresh worker process with the function loaded; RuntimeError when it cannot load it."""
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-        self._proc = subprocess.Popen([sys.executable, "-m", "polyrl.rewards.worker"], stdin=subprocess.PIPE,
+        self._proc = subprocess.Popen([sys.executable, "-u", "-m", "polyrl.rewards.worker"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env=env)
         self._requests = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
         self._replies = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
