@@ -79,16 +79,7 @@ class JsonlRows(Rows):
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        offsets, lines = [], []
-        with open(path, "rb") as f:
-            pos = 0
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    offsets.append(pos)
-                    lines.append(n)
-                pos += len(line)
-        self.offsets = np.asarray(offsets, dtype=np.int64)
-        self.lines = np.asarray(lines, dtype=np.int64)
+        self.offsets, self.lines = line_index(path)
         self._file = None
 
     def __len__(self) -> int:
@@ -110,7 +101,7 @@ class JsonlRows(Rows):
         return row
 
     def where(self, i: int) -> str:
-        return f"{self.path}: line {int(self.lines[i])}"
+        return f"{self.path}: line {int(self.lines[i]) if self.lines is not None else i + 1}"
 
     def scan(self) -> Iterator[dict[str, Any] | RowError]:
         with open(self.path, "rb") as f:
@@ -119,7 +110,7 @@ class JsonlRows(Rows):
                 if not line.strip():
                     continue
                 try:
-                    row = json.loads(line)
+                    row = json.loads(line.decode())  # text, so json need not guess the encoding of each line
                     yield row if isinstance(row, dict) else RowError(
                         f"{self.where(i)}: the row is a {type(row).__name__}, not an object")
                 except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -128,6 +119,26 @@ class JsonlRows(Rows):
 
     def __getstate__(self) -> dict[str, Any]:  # an open file does not pickle (Ray workers, spawned ranks)
         return {**self.__dict__, "_file": None}
+
+
+def line_index(path: Path, chunk: int = 1 << 26) -> tuple[np.ndarray, np.ndarray | None]:
+    """(byte offset of each non-blank line, its 1-based line number or None when no line is blank), found
+    with numpy a chunk at a time: a fraction of a second for a million lines, 8 bytes a row."""
+    starts, pos = [np.zeros(1, dtype=np.int64)], 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            starts.append(np.flatnonzero(np.frombuffer(block, dtype=np.uint8) == 10).astype(np.int64) + pos + 1)
+            pos += len(block)
+    begin = np.concatenate(starts)
+    end = np.append(begin[1:], pos)
+    keep = end - begin > 2  # a line of more than a newline (and a carriage return) may hold a row
+    with open(path, "rb") as f:  # the few short lines are looked at one by one
+        for i in np.flatnonzero(~keep & (end > begin)):
+            f.seek(int(begin[i]))
+            keep[i] = bool(f.read(int(end[i] - begin[i])).strip())
+    if keep.all():
+        return begin, None
+    return begin[keep], (np.flatnonzero(keep) + 1).astype(np.int64)
 
 
 class ArrowRows(Rows):

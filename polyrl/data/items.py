@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -146,27 +147,32 @@ class DatasetSource:
     def _scan(self, rows: Rows, split: float, split_seed: int, keep_keys: bool = False
               ) -> tuple[np.ndarray, np.ndarray, set[bytes]]:
         """One pass over the rows: check each, and send it to training or held out."""
-        train, held, keys = [], [], set()
+        train, held, keys = array("q"), array("q"), set()
         salted = hashlib.sha256(f"{split_seed}:".encode())
         for i, row in enumerate(rows.scan()):
+            k = b""
             if isinstance(row, RowError):
                 problem = str(row).removeprefix(f"{rows.where(i)}: ")
             else:
                 problem = self.check(row) if self.check is not None else None
+                if problem is None:
+                    try:
+                        k = self.key(row)
+                    except (KeyError, IndexError, AttributeError, TypeError, ValueError) as exc:
+                        problem = f"cannot make the row's prompt ({type(exc).__name__}: {exc})"
             if problem is not None:
                 message = f"{rows.where(i)}: {problem}"
                 if not self.skip_bad_rows:
                     raise RowError(f"{message} (on_bad_row: skip counts and skips such rows)")
                 self.skipped.append(message)
                 continue
-            k = self.key(row)
             if split > 0 and split_bucket(k, split_seed, salted) < split:
                 held.append(i)
             else:
                 train.append(i)
                 if keep_keys:
                     keys.add(k)
-        return np.asarray(train, dtype=np.int64), np.asarray(held, dtype=np.int64), keys
+        return np.frombuffer(train, dtype=np.int64), np.frombuffer(held, dtype=np.int64), keys
 
     @property
     def has_eval(self) -> bool:

@@ -53,6 +53,7 @@ class RowFormat:
 
     def __init__(self, config: TaskConfig, system_prompt: str | None, needs_answer: bool) -> None:
         self.config, self.system_prompt, self.needs_answer = config, system_prompt, needs_answer
+        self.template_fields = template_fields(config.prompt) if config.prompt is not None else []
 
     def _messages_field(self, row: dict[str, Any]) -> str | None:
         if self.config.messages_field is not None:
@@ -73,15 +74,12 @@ class RowFormat:
             else "reward_model.ground_truth"
 
     def problem(self, row: dict[str, Any]) -> str | None:
-        """What is wrong with a row for this task, naming the field; None when it can be played."""
+        """What is wrong with a row for this task, naming the field; None when it can be played (a template
+        that still cannot be filled fails in ``key``, which fills it)."""
         if self.config.prompt is not None:
-            for name in template_fields(self.config.prompt):
+            for name in self.template_fields:
                 if name not in row:
                     return f"no field '{name}' (tasks[].prompt reads it)"
-            try:
-                self.config.prompt.format_map(row)
-            except (KeyError, IndexError, AttributeError, ValueError) as exc:
-                return f"tasks[].prompt cannot be filled from this row ({type(exc).__name__}: {exc})"
         elif (messages := self._messages_field(row)) is not None:
             value = field(row, messages)
             if value is _MISSING:
