@@ -608,7 +608,7 @@ def test_describe_data_names_a_separate_held_out_file_and_skips(tmp_path, tok):
     lines: list[str] = []
     assert describe_data(cfg, tok, lines.append)
     text = "\n".join(lines)
-    assert "rows: 12 training, 2 held out (a separate held-out file)" in text
+    assert "rows: 12 training, 2 held out (a separate held-out set)" in text
     assert f"skipped 1 bad rows (on_bad_row: skip), e.g. {train}: line 13" in text
     assert "prompts in both training and held-out rows: 1" in text
     assert "reward audit: off (audit: false)" in text

@@ -203,6 +203,16 @@ class DatasetSource:
         """The first ``n`` held-out rows in file order (the same every call)."""
         return [self._held_rows[int(i)] for i in self.held_ids[:n]]
 
+    def describe(self) -> str:
+        """One line for the run's log: the counts, and the first skipped row if any."""
+        s = self.summary()
+        line = f"{self.name}: {s.train_rows} training rows, {s.eval_rows} held out"
+        if s.overlap_rows:
+            line += f", {s.overlap_rows} prompts in both"
+        if s.skipped_rows:
+            line += f", {s.skipped_rows} bad rows skipped (first: {s.first_skips[0]})"
+        return line
+
     def summary(self) -> DataSummary:
         return DataSummary(len(self.train_ids), len(self.held_ids), len(self.skipped), self.overlap,
                            self.skipped[:3])

@@ -18,6 +18,8 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
+import sys
 import uuid
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +56,8 @@ def load_verifiers_env(name: str, args: dict[str, Any]) -> Any:
     A missing verifiers, a missing environment package and a failing ``load_environment`` are one-line
     ValueErrors, like polyrl's other config errors."""
     vf = _verifiers()
+    if os.getcwd() not in sys.path:  # an environment module beside the config, as for module:attr references
+        sys.path.insert(0, os.getcwd())
     module = name.replace("-", "_").split("/")[-1]
     if not module.isidentifier() or importlib.util.find_spec(module) is None:
         raise ValueError(f"verifiers environment '{name}' is not installed (no Python module '{module}')")

@@ -26,10 +26,11 @@ def _source_lines(task: Task) -> list[str]:
     source = task.source
     if isinstance(source, DatasetSource):
         s = source.summary()
-        split = "a separate held-out file" if source.eval_rows is not None else (
+        split = "a separate held-out set" if source.eval_rows is not None else (
             f"held_out_fraction {task.config.held_out_fraction} of the rows, by hash")
-        lines = [f"  rows: {s.train_rows} training, {s.eval_rows} held out ({split}); "
-                 f"evaluation uses the first {min(task.config.eval_size, s.eval_rows)}"]
+        evaluation = (f"evaluation uses the first {min(task.config.eval_size, s.eval_rows)}" if s.eval_rows
+                      else "nothing held out: the task is not evaluated")
+        lines = [f"  rows: {s.train_rows} training, {s.eval_rows} held out ({split}); {evaluation}"]
         if s.skipped_rows:
             lines.append(f"  skipped {s.skipped_rows} bad rows (on_bad_row: skip), e.g. {s.first_skips[0]}")
         if source.eval_rows is not None:

@@ -41,7 +41,7 @@ class AuditResult:
 
 def _rows(where: list[str], limit: int = 3) -> str:
     shown = ", ".join(where[:limit])
-    return shown + (f" and {len(where) - limit} more" if len(where) > limit else "")
+    return shown + (f" (+{len(where) - limit} more rows)" if len(where) > limit else "")
 
 
 def reference_reply(task: DatasetTask, row: dict[str, Any]) -> str:
@@ -65,10 +65,15 @@ def audit_task(task: DatasetTask) -> AuditResult:
     for i in range(n):
         j = next((j % n for j in range(i + 1, i + n) if answers[j % n] != answers[i]), None)
         other.append(j)
-    samples = [task.sample(row, r) for row, r in zip(rows, refs, strict=True)]
+    first = task.reward.score([task.sample(rows[0], refs[0])])[0]
+    if first.error is not None and first.error.startswith("TimeoutError"):  # not 3 x rows timeouts in a row
+        result = AuditResult(task.name, n, 0.0)
+        result.problems.append(f"the reward ran past its timeout on a reference reply ({where[0]}: {first.error})")
+        return result
+    samples = [task.sample(row, r) for row, r in zip(rows[1:], refs[1:], strict=True)]
     samples += [task.sample(row, "") for row in rows]
     samples += [task.sample(rows[i], refs[j]) for i, j in enumerate(other) if j is not None]
-    scored = task.reward.score(samples)
+    scored = [first, *task.reward.score(samples)]
     ref, empty, rest = scored[:n], scored[n:2 * n], iter(scored[2 * n:])
     other_scores: list[Scored | None] = [next(rest) if j is not None else None for j in other]
     top = max(s.reward for s in ref)

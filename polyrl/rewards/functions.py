@@ -172,6 +172,8 @@ def call(fn: Callable[..., Any], convention: str, samples: list[Sample], timeout
             result = _run_coroutines([result], timeout_s)[0]
             if isinstance(result, BaseException):
                 raise result
+        if convention == "openrlhf" and isinstance(result, dict):  # {"rewards": ..., "scores": ..., "extra_logs": ...}
+            result = result["rewards"]
         result = result.tolist() if hasattr(result, "tolist") else list(result)  # OpenRLHF returns a tensor
         if len(result) != len(samples):
             raise ValueError(f"returned {len(result)} rewards for {len(samples)} completions")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.config import Config, dump_config
+from polyrl.data.items import DatasetSource
 from polyrl.models.device import resolve_device
 from polyrl.models.loading import TINY_ALIAS, load_tokenizer, resolve_model_path
 from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
@@ -50,6 +51,9 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
     if not ranks.is_main:
         log = _quiet
     run = build_run(config, run_dir)
+    for task in run.tasks.values():
+        if isinstance(task.source, DatasetSource):
+            log(task.source.describe())
     audit_tasks(run.tasks, log)  # a broken reward stops the run here, before anything is written
     run_dir.mkdir(parents=True, exist_ok=True)
     if ranks.is_main:
