@@ -7,6 +7,7 @@ configures. Every error is still one line that names the file and key.
 
 from __future__ import annotations
 
+from importlib.util import find_spec
 from pathlib import Path
 
 from polyrl.algorithms.validate import check_algorithm
@@ -14,9 +15,20 @@ from polyrl.config import AlgorithmConfig, Config, ConfigError, parse_config
 from polyrl.envs.base import check_task
 
 
+def check_extras(config: Config) -> None:
+    """The optional packages the config asks for are installed (found without importing them), so a missing
+    one fails here, with its install command, not after the model has loaded."""
+    if config.runtime.kind == "ray" and find_spec("ray") is None:
+        raise ValueError("runtime.kind: ray is not installed; pip install 'polyrl[ray]'")
+    if config.engine.kind == "vllm" and find_spec("vllm") is None:
+        raise ValueError("engine.kind: vllm is not installed; in its own virtual environment pip install "
+                         "torch==2.13.0 && pip install 'polyrl[vllm]' (docs/systems.md)")
+
+
 def check_names(config: Config) -> None:
     """Every registered name in ``config`` exists and its keyword arguments fit; a one-line ValueError naming
     the key otherwise."""
+    check_extras(config)
     check_algorithm(config.algorithm)
     for i, stage in enumerate(config.stages):
         if stage.algorithm:  # the structure was validated with the config; here the names it picks

@@ -1,5 +1,7 @@
 """Config errors are one line that names the file and key."""
 
+import re
+
 import pytest
 import yaml
 from conftest import SMOKE
@@ -94,3 +96,17 @@ def test_broken_chat_template_is_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"^model '.*': its chat template does not render") as exc:
         load_tokenizer(str(model_dir))
     assert "\n" not in str(exc.value)
+
+
+def test_a_missing_optional_package_fails_when_the_config_loads(monkeypatch):
+    """ray and vllm are looked for before anything loads; the error is one line with the install command."""
+    import polyrl.config_check as config_check
+
+    monkeypatch.setattr(config_check, "find_spec", lambda name: None)
+    base = {"model": {"name": "tiny-random"}, "tasks": [{"name": "chain_sum"}]}
+    for key, value, message in (("runtime", {"kind": "ray"}, "runtime.kind: ray is not installed; pip install "
+                                 "'polyrl[ray]'"),
+                                ("engine", {"kind": "vllm"}, "engine.kind: vllm is not installed")):
+        with pytest.raises(ConfigError, match=re.escape(message)) as err:
+            config_check.load_config(None, data={**base, key: value})
+        assert "\n" not in str(err.value)
