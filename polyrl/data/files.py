@@ -121,7 +121,7 @@ class JsonlRows(Rows):
         return {**self.__dict__, "_file": None}
 
 
-def line_index(path: Path, chunk: int = 1 << 26) -> tuple[np.ndarray, np.ndarray | None]:
+def line_index(path: Path, chunk: int = 1 << 23) -> tuple[np.ndarray, np.ndarray | None]:
     """(byte offset of each non-blank line, its 1-based line number or None when no line is blank), found
     with numpy a chunk at a time: a fraction of a second for a million lines, 8 bytes a row."""
     starts, pos = [np.zeros(1, dtype=np.int64)], 0
