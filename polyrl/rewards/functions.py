@@ -90,9 +90,11 @@ def convention_of(fn: Callable[..., Any], reference: str, key: str) -> str:
         return "trl"
     if "completions" in names and "items" in names:
         return "batched"
-    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in params.values()):
+    try:
+        inspect.signature(fn).bind("", {})
         return "single"
+    except TypeError:
+        pass
     raise ValueError(f"{key}: '{reference}' takes ({', '.join(names)}); a reward takes "
                      + ", ".join(CONVENTIONS.values()))
 
