@@ -17,12 +17,10 @@ from polyrl.envs.base import check_task
 
 def check_extras(config: Config) -> None:
     """The optional packages the config asks for are installed (found without importing them), so a missing
-    one fails here, with its install command, not after the model has loaded."""
+    one fails here, with its install command, not after the model has loaded. (vLLM is checked where the
+    engine is made: plans of GPU runs load vLLM configs on machines without it.)"""
     if config.runtime.kind == "ray" and find_spec("ray") is None:
         raise ValueError("runtime.kind: ray is not installed; pip install 'polyrl[ray]'")
-    if config.engine.kind == "vllm" and find_spec("vllm") is None:
-        raise ValueError("engine.kind: vllm is not installed; in its own virtual environment pip install "
-                         "torch==2.13.0 && pip install 'polyrl[vllm]' (docs/systems.md)")
 
 
 def check_names(config: Config) -> None:
