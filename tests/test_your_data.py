@@ -21,10 +21,12 @@ import yaml
 from polyrl.config import ConfigError, TaskConfig
 from polyrl.config_check import load_config
 from polyrl.data.files import RowError, open_rows
+from polyrl.data.sampler import TaskSampler
 from polyrl.envs import make_task
 from polyrl.envs.agent import AgentTask
 from polyrl.envs.dataset import DatasetTask
 from polyrl.observe.data_report import describe_data
+from polyrl.parallel.group import contiguous_shards
 
 TINY = {"model": {"name": "tiny-random", "bf16": False}, "optim": {"lr": 1e-3},
         "logging": {"progress": False, "tensorboard": False, "report": False}}
@@ -180,6 +182,24 @@ def test_epochs_are_seeded_shuffles_of_the_training_rows(fmt, tmp_path):
     line = source.train_where(0)
     assert line.startswith(f"{path}: line ")
     assert json.loads(Path(path).read_text().splitlines()[int(line.rsplit(" ", 1)[1]) - 1])["question"] == epoch1[0]
+
+
+def test_two_ranks_each_building_its_own_task_draw_every_row_once_an_epoch(tmp_path):
+    """As learner ranks and Ray workers do: each builds the task and the sampler itself, draws the step's requests
+    and rolls out its contiguous share of them; across ranks an epoch is every training row once."""
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(37)]
+    path = write_jsonl(tmp_path / "qa.jsonl", rows)
+    ranks = [(dataset_task(str(path), held_out_fraction=0.2), TaskSampler({"qa": 1.0}, seed=0)) for _ in range(2)]
+    n = len(ranks[0][0].source)
+    seen: list[str] = []
+    for step in range(1, 100):
+        for k, (task, sampler) in enumerate(ranks):
+            draws = sampler.draw(step, 4)
+            lo, hi = contiguous_shards(len(draws), len(ranks))[k]
+            seen += [task.train_item(d.index)["question"] for d in draws[lo:hi]]
+        if len(seen) >= n:
+            break
+    assert sorted(seen[:n]) == sorted(r["question"] for r in training_rows(ranks[0][0]))
 
 
 def test_held_out_fraction_zero_trains_on_every_row_and_has_no_eval_items(tmp_path):
