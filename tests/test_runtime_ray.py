@@ -145,3 +145,22 @@ def test_learner_ranks_as_actors_restart_from_the_checkpoint_when_one_is_lost(tm
     for a, b in zip(ref_rows, rows, strict=True):
         assert {k: v for k, v in a.items() if not k.endswith("_s")} == {k: v for k, v in b.items()
                                                                         if not k.endswith("_s")}
+
+
+def test_a_cluster_too_small_for_the_ranks_and_workers_is_one_line_not_a_hang(tmp_path):
+    """Two learner rank actors and a rollout worker on a 2-CPU Ray cluster cannot all be placed: the run says
+    so in one line before placing anything, instead of waiting on the worker forever."""
+    from polyrl.runtime.workers import capacity_problem
+
+    assert capacity_problem({"CPU": 4.0}, 2, 2, gpu=False) is None
+    assert capacity_problem({"CPU": 2.0}, 0, 2, gpu=False) is None
+    assert "2 learner ranks and 1 rollout workers need 3 CPUs" in capacity_problem({"CPU": 2.0}, 2, 1, gpu=False)
+    assert "need 2 GPUs" in capacity_problem({"CPU": 8.0, "GPU": 1.0}, 1, 1, gpu=True)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    run = subprocess.run([sys.executable, "-m", "polyrl", "train", str(SMOKE), "-o", str(tmp_path / "run"), *BASE,
+                          "runtime.engines=disaggregated", "runtime.num_workers=1", "learner.world_size=2",
+                          "runtime.ray_num_cpus=2"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 2, run.stderr[-2000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert lines == ["error: runtime: 2 learner ranks and 1 rollout workers need 3 CPUs (one each at least), the "
+                     "Ray cluster has 2: lower learner.world_size or runtime.num_workers, or add nodes"]

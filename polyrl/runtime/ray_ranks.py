@@ -23,6 +23,7 @@ from polyrl.config import engines_of
 from polyrl.parallel.group import RankFailedError
 from polyrl.parallel.launch import free_port
 from polyrl.runtime.ray_ import start_ray
+from polyrl.runtime.workers import capacity_problem
 
 PLACEMENT_TIMEOUT_S = 120.0
 """How long the driver waits for the cluster to offer every rank's bundle before it says so and stops."""
@@ -76,6 +77,8 @@ def _attempt(ray: Any, config: Any, run_dir: Path, entry: Callable, resume: bool
     world, gpu = config.learner.world_size, config.train.device == "cuda"
     # Disaggregated rollout workers (one CPU each, started by rank 0) need room beside the ranks' bundles.
     workers = config.runtime.num_workers if engines_of(config) == "disaggregated" else 0
+    if problem := capacity_problem(ray.cluster_resources(), world, workers, gpu):
+        raise RankFailedError(problem)
     cpus = max(1, (int(ray.available_resources().get("CPU", world)) - workers) // world)
     bundle = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
     group = placement_group([bundle] * world, strategy="PACK")

@@ -32,6 +32,22 @@ from polyrl.train import faults
 from polyrl.train.step import build_run, local_rollout
 from polyrl.types import Trajectory
 
+START_TIMEOUT_S = 300.0
+"""How long rank 0 waits for its rollout workers to be placed and built before it says so and stops."""
+
+
+def capacity_problem(cluster: dict[str, float], ranks: int, workers: int, gpu: bool) -> str | None:
+    """Why the cluster cannot hold ``ranks`` learner rank actors and ``workers`` rollout workers (one CPU each at
+    least; a GPU each on cuda), or None. Checked before anything is placed: Ray would otherwise wait forever."""
+    need = {"CPU": ranks + workers, **({"GPU": ranks + workers} if gpu else {})}
+    for resource, count in need.items():
+        have = int(cluster.get(resource, 0))
+        if count > have:
+            parts = ([f"{ranks} learner ranks"] if ranks else []) + ([f"{workers} rollout workers"] if workers else [])
+            return (f"runtime: {' and '.join(parts)} need {count} {resource}s (one each at least), the Ray cluster "
+                    f"has {have}: lower learner.world_size or runtime.num_workers, or add nodes")
+    return None
+
 
 class RolloutWorker:
     """A Ray actor: its own copy of the run (model, engine, tasks), rolling out the shards it is sent."""
@@ -84,6 +100,9 @@ class WorkerPool:
     def __init__(self, ray: Any, run: Any, collective: bool) -> None:
         self.ray, self.run, self.collective = ray, run, collective
         gpu = run.config.train.device == "cuda"
+        if run.config.learner.world_size == 1 and (problem := capacity_problem(
+                ray.cluster_resources(), 0, run.config.runtime.num_workers, gpu)):
+            raise RuntimeError(problem)
         self._actor = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0)(RolloutWorker)
         self.incarnations = [0] * run.config.runtime.num_workers
         self.workers = [self._new_worker(k) for k in range(len(self.incarnations))]
@@ -91,6 +110,16 @@ class WorkerPool:
         self.lock, self.weights_lock = threading.RLock(), threading.RLock()
         self.restarts, self.version, self.group_stale = 0, -1, collective
         self.group: SyncGroup | None = None
+        self.wait_ready()  # a worker that cannot be placed ends the run here, not in the first rollout
+
+    def wait_ready(self) -> None:
+        """Every worker built; a worker Ray cannot place within START_TIMEOUT_S ends the run with one line."""
+        try:
+            self.ray.get([w.ready.remote() for w in self.workers], timeout=START_TIMEOUT_S)
+        except self.ray.exceptions.GetTimeoutError:
+            raise RuntimeError(f"runtime.num_workers: {len(self.workers)} rollout workers (1 CPU each) were not "
+                               f"placed and built within {START_TIMEOUT_S:.0f} s; free in the Ray cluster: "
+                               f"{self.ray.available_resources()}") from None
 
     def _new_worker(self, k: int):
         return self._actor.remote(self.run.config, self.run.run_dir, k, self.incarnations[k])
@@ -146,7 +175,7 @@ class WorkerPool:
         backend = "nccl" if next(self.run.model.parameters()).device.type == "cuda" else "gloo"
         timeout = cfg.learner.timeout_s
         # Joining blocks until every worker joins: a worker that failed to start must raise here instead.
-        self.ray.get([w.ready.remote() for w in self.workers])
+        self.wait_ready()
         joins = [w.join_sync.remote(host, port, len(self.workers), backend, timeout) for w in self.workers]
         self.group = join_sync_group("learner", 0, len(self.workers), host, port, backend, timeout)
         self.ray.get(joins)
