@@ -236,6 +236,7 @@ def env_name(config: TaskConfig) -> str:
         return "dataset"
     return config.name if config.name in ENVS else "reasoning_gym"
 
+
 OWN_ROWS = ("dataset", "agent")
 """Envs that read ``items`` themselves; any other env given ``items`` plays those rows instead of its own."""
 
