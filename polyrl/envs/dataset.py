@@ -55,7 +55,7 @@ class RowFormat:
         self.config, self.system_prompt, self.needs_answer = config, system_prompt, needs_answer
         self.template_fields = template_fields(config.prompt) if config.prompt is not None else []
 
-    def _messages_field(self, row: dict[str, Any]) -> str | None:
+    def messages_field(self, row: dict[str, Any]) -> str | None:
         if self.config.messages_field is not None:
             return self.config.messages_field
         if self.config.prompt is None and self.config.question_field is None and isinstance(row.get("prompt"), list):
@@ -80,7 +80,7 @@ class RowFormat:
             for name in self.template_fields:
                 if name not in row:
                     return f"no field '{name}' (tasks[].prompt reads it)"
-        elif (messages := self._messages_field(row)) is not None:
+        elif (messages := self.messages_field(row)) is not None:
             value = field(row, messages)
             if value is _MISSING:
                 return f"no field '{messages}' (messages_field)"
@@ -106,7 +106,7 @@ class RowFormat:
         config = self.config
         if config.prompt is not None:
             msgs: list[Message] = [{"role": "user", "content": config.prompt.format_map(row)}]
-        elif (messages := self._messages_field(row)) is not None:
+        elif (messages := self.messages_field(row)) is not None:
             msgs = [dict(m) for m in field(row, messages)]
             if msgs[-1]["role"] == "assistant":  # a reference reply in the conversation is not the prompt
                 msgs = msgs[:-1]
@@ -126,7 +126,7 @@ class RowFormat:
 
     def prompt(self, row: dict[str, Any]) -> Any:
         """The row's prompt as given, for TRL-style rewards (its messages, else the rendered user text)."""
-        messages = self._messages_field(row)
+        messages = self.messages_field(row)
         if messages is not None:
             return field(row, messages)
         return self.messages(row)[-1]["content"]
@@ -136,7 +136,7 @@ class RowFormat:
         question is never on both sides."""
         if self.config.prompt is not None:
             return self.config.prompt.format_map(row).encode()
-        if (messages := self._messages_field(row)) is not None:
+        if (messages := self.messages_field(row)) is not None:
             return json.dumps(field(row, messages), sort_keys=True, default=str).encode()
         return str(field(row, self._question_field(row))).encode()
 
@@ -169,8 +169,8 @@ class DatasetTask(Task):
                          source=dataset_source(config, seed, key=self.format.key, check=self.format.problem))
 
     def sample(self, row: dict[str, Any], reply: str) -> Sample:
-        messages = self.format._messages_field(row)
-        return Sample(reply, row, self.format.answer(row), self.format.prompt(row), conversational=messages is not None)
+        conversational = self.format.messages_field(row) is not None
+        return Sample(reply, row, self.format.answer(row), self.format.prompt(row), conversational)
 
     def step_many(self, envs: list[DatasetEnv], replies: list[str]) -> list[StepResult]:
         scored = self.reward.score([self.sample(env.item, reply) for env, reply in zip(envs, replies, strict=True)])

@@ -46,10 +46,6 @@ def _verifiers() -> Any:
     return vf
 
 
-def _first_line(exc: BaseException) -> str:
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
 def load_verifiers_env(name: str, args: dict[str, Any]) -> Any:
     """The installed environment ``name`` (package ``my-env`` / module ``my_env``) built with ``args``.
 
@@ -67,7 +63,7 @@ def load_verifiers_env(name: str, args: dict[str, Any]) -> Any:
         return vf.load_environment(name, **args)
     except Exception as exc:  # noqa: BLE001 - any failure of the env's own loader is a config error here
         cause = exc.__cause__ or exc  # verifiers wraps the loader's error in a RuntimeError
-        raise ValueError(f"verifiers environment '{name}' failed to load with {args}: {_first_line(cause)}") from exc
+        raise ValueError(f"verifiers environment '{name}' failed to load with {args}: {first_line(cause)}") from exc
 
 
 def _plain_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -184,6 +184,16 @@ def call(fn: Callable[..., Any], convention: str, samples: list[Sample], timeout
         return [exc] * len(samples)
 
 
+def _scored(value: Any) -> Scored:
+    """A returned value, or an ``("__error__", line)`` a call left in its place, as a Scored."""
+    if isinstance(value, tuple) and value[:1] == ("__error__",):
+        return Scored(0.0, {}, value[1])
+    try:
+        return to_scored(value)
+    except Exception as exc:  # noqa: BLE001 - a bad return value is the sample's error, not a crash
+        return Scored(0.0, {}, first_line(exc))
+
+
 _reported: set[str] = set()
 
 
@@ -233,20 +243,17 @@ class RewardFn:
         if not samples:
             return []
         if self.builtin is not None:
-            return [self._guard(lambda s=s: self.builtin.score(s.completion, s.answer, s.item, self.params))
-                    for s in samples]
-        if self.batched or self.is_async:
+            raw: list[Any] = []
+            for s in samples:
+                try:
+                    raw.append(self.builtin.score(s.completion, s.answer, s.item, self.params))
+                except Exception as exc:  # noqa: BLE001 - a checker choking on a row is the sample's error
+                    raw.append(("__error__", first_line(exc)))
+        elif self.batched or self.is_async:
             raw = self._remote(samples)
         else:  # one call per reply, so a reply that hangs costs only its own score
             raw = [r for s in samples for r in self._remote([s])]
-        return [Scored(0.0, {}, r[1]) if isinstance(r, tuple) and r[:1] == ("__error__",) else self._guard(
-            lambda r=r: r) for r in raw]
-
-    def _guard(self, value: Callable[[], Any]) -> Scored:
-        try:
-            return to_scored(value())
-        except Exception as exc:  # noqa: BLE001 - a bad return value is the sample's error, not a crash
-            return Scored(0.0, {}, first_line(exc))
+        return [_scored(r) for r in raw]
 
     def _remote(self, samples: list[Sample]) -> list[Any]:
         try:
