@@ -66,15 +66,16 @@ def main() -> None:
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", fixed + args.overrides)
     out = Path("/tmp") / f"polyrl-quickstart-seeds-{args.name}"
     run = build_run(cfg, out)
-    train_s, rewards = 0.0, []
+    train_s, rewards, guided = 0.0, [], 0
     for step in range(1, args.steps + 1):
         metrics, _ = rl_step(run, step)
         train_s += metrics["step_time_s"]
         rewards.append(round(metrics["reward/mean"], 4))
+        guided += int(metrics.get("guidance/guided", 0))
     t0 = time.perf_counter()
     record = {
         "name": args.name, "seed": args.seed, "steps": args.steps, "overrides": args.overrides,
-        "train_time_s": round(train_s, 1), "train_reward": rewards,
+        "train_time_s": round(train_s, 1), "train_reward": rewards, "guided_groups": guided,
         "heldout": heldout_breakdown(run.model, run.tokenizer), "eval_s": round(time.perf_counter() - t0, 1),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }

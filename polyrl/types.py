@@ -34,6 +34,9 @@ class Trajectory:
     truncated: bool = False
     terminated_early: bool = False
     replayed: bool = False
+    guided: bool = False
+    """A reference reply the policy did not sample (``guidance``): its log-probs are the current policy's,
+    and the loss treats its tokens as off-policy."""
     info: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -15,6 +15,7 @@ from polyrl.train.loss_terms import (
     LossInputs,
     distill_term,
     entropy_term,
+    guidance_term,
     kl_term,
     policy_term,
     value_term,
@@ -43,7 +44,8 @@ def test_each_term_worked_by_hand():
     assert float(kl.loss) == pytest.approx(-0.2 * math.log(2)) and kl.logged == {"kl": pytest.approx(-math.log(2))}
     # without a critic or a teacher those terms are absent
     assert value_term(algo, x).loss is None and distill_term(algo, x).loss is None
-    assert (policy_term, entropy_term, distill_term, kl_term, value_term) == LOSS_TERMS
+    assert guidance_term(algo, x).loss is None  # no reference rows
+    assert (policy_term, guidance_term, entropy_term, distill_term, kl_term, value_term) == LOSS_TERMS
     total = sum(t.loss for t in (term(algo, x) for term in LOSS_TERMS) if t.loss is not None)
     assert float(total) == pytest.approx(-0.75 - 0.05 - 0.2 * math.log(2))
 

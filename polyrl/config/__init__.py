@@ -20,6 +20,7 @@ from polyrl.config.features import (
     ArpoConfig,
     CurriculumConfig,
     EarlyStopConfig,
+    GuidanceConfig,
     MonitorsConfig,
     PhaseConfig,
     PipelineConfig,
@@ -58,6 +59,7 @@ __all__ = [
     "EarlyStopConfig",
     "EngineConfig",
     "EvalConfig",
+    "GuidanceConfig",
     "LearnerConfig",
     "LoggingConfig",
     "LoraConfig",
@@ -103,6 +105,8 @@ class Config(_Strict):
     pipeline: PipelineConfig = PipelineConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     """Where rollouts and learning run: in one process, overlapped in two, or as Ray actors."""
+    guidance: GuidanceConfig = GuidanceConfig()
+    """Reference replies in groups whose samples all fail (off unless ``guidance.reference``)."""
     monitors: MonitorsConfig = MonitorsConfig()
     """Reward-hacking monitors: flags in metrics, report and viewer; optionally zero flagged rewards."""
 

@@ -40,6 +40,26 @@ class ReplayConfig(_Strict):
     """Fraction of each step's prompts re-drawn from items already seen, favouring pass rates near 0.5."""
 
 
+class GuidanceConfig(_Strict):
+    """Off-policy guidance for groups whose samples all fail (docs/guidance.md): such a group teaches a group
+    baseline nothing, so the item's reference reply (``tasks[].reference``) takes its last sample's place and
+    is trained with LUFFY's shaped objective (Yan et al. 2025, "Learning to Reason under Off-Policy Guidance"),
+    only on all-fail groups as AMPO does, the help annealed away as HAPO's is."""
+
+    reference: bool = False
+    """Mix the reference reply into all-fail groups."""
+    probability: float = Field(1.0, ge=0, le=1)
+    """Probability that an all-fail group gets it."""
+    anneal_steps: int = Field(0, ge=0)
+    """The probability falls linearly to 0 over this many steps (0: it stays)."""
+    shaping_gamma: float | None = Field(0.1, gt=0)
+    """gamma of LUFFY's policy shaping f(p) = p / (p + gamma) on reference tokens: the push is largest on
+    tokens the policy gives probability near gamma. null: no shaping, the reference weighed as if sampled
+    (gradient A grad log p), the strongest push on tokens the policy finds unlikely."""
+    success_score: float = 1.0
+    """A sample succeeds when its score (info.score) reaches this; a group without one is all-fail."""
+
+
 class StepCreditConfig(_Strict):
     """Per-turn advantages for multi-turn episodes; docs/agents.md."""
 

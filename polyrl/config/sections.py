@@ -197,6 +197,11 @@ class TaskConfig(_Strict):
     """Seconds one call of your reward may run; past it the call's replies score 0 (counted in
     ``reward/errors``) and training goes on."""
     audit: AuditConfig = AuditConfig()
+    reference: str | None = None
+    """The reference reply ``guidance`` plays in groups whose samples all fail: a template over the item's
+    fields (``"{solution}"`` for a full worked solution, ``{answer}`` is the item's answer); unset: the
+    item's answer (``audit.reply`` for your data). Envs that solve their own items (tool_math) play their
+    own demonstration instead."""
     """The reward audit before step 1 (tasks with ``items`` or ``reward``)."""
     timeout_s: float = Field(300.0, gt=0)
     """Agent tasks: seconds an episode may run; one that takes longer is dropped."""

@@ -160,6 +160,26 @@ class Task:
             raise NotImplementedError(f"task '{self.name}' has no item source")
         return self.source.train_item(index)
 
+    def reference_answer(self, item: dict[str, Any]) -> Any:
+        """The item's reference answer (its ``answer``), None when it has none."""
+        return item.get("answer")
+
+    @property
+    def reference_template(self) -> str:
+        return self.config.reference or "{answer}"
+
+    def reference_reply(self, item: dict[str, Any]) -> str | None:
+        """The reply guidance plays for ``item`` (``tasks[].reference``, a template over the item's fields with
+        ``{answer}`` its reference answer); None when the item has no answer or the template cannot be
+        filled from it."""
+        answer = self.reference_answer(item)
+        if answer is None and self.config.reference is None:
+            return None
+        try:
+            return self.reference_template.format_map({**item, "answer": answer})
+        except (KeyError, IndexError, ValueError, AttributeError):
+            return None
+
     def eval_items(self, n: int | None = None) -> list[dict[str, Any]]:
         if self.source is None:
             raise NotImplementedError(f"task '{self.name}' has no item source")

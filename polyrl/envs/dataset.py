@@ -168,6 +168,13 @@ class DatasetTask(Task):
         super().__init__(config, lambda: DatasetEnv(self), seed=seed,
                          source=dataset_source(config, seed, key=self.format.key, check=self.format.problem))
 
+    def reference_answer(self, row: dict[str, Any]) -> Any:
+        return self.format.answer(row)
+
+    @property
+    def reference_template(self) -> str:
+        return self.config.reference or self.config.audit.reply
+
     def sample(self, row: dict[str, Any], reply: str) -> Sample:
         conversational = self.format.messages_field(row) is not None
         return Sample(reply, row, self.format.answer(row), self.format.prompt(row), conversational)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import torch
@@ -71,6 +72,9 @@ class TokenAdvantages(NamedTuple):
     returns: torch.Tensor | None
     """[B, T] GAE's value targets for the critic; None without one."""
     metrics: dict[str, float]
+    guided_mask: torch.Tensor | None = None
+    """[B, T] 0/1: the reference tokens (``guidance``) that the shaped reference loss counts instead of the
+    policy loss; their advantages are the group's, uncorrected (no behaviour policy sampled them)."""
 
 
 def token_advantages(
@@ -89,8 +93,14 @@ def token_advantages(
     reference's, when kept), ``old_values`` (the critic's, for GAE) and ``cross`` ([B] bool, rows another
     policy sampled). Under ``algo.off_policy`` none, cross-policy rows are weighted by min(pi_old / mu,
     ``cross_cap``) and replayed rows by min(pi_old / mu, ``replay_cap``) (truncated IS, Yao et al. 2025);
-    otherwise the correction (``algorithms/corrections.py``) treats every row."""
+    otherwise the correction (``algorithms/corrections.py``) treats every row. Reference rows (``mb.guided``)
+    leave the policy loss's mask for ``guided_mask`` with their advantages as the group gave them."""
     advantages, returns = _reward_advantages(algo, mb, rewards, old_logp, ref_logp, old_values)
+    guided_mask = None
+    if bool(mb.guided.any()):
+        guided_mask = mb.loss_mask * mb.guided[:, None]
+        reference_advantages = advantages
+        mb = dataclasses.replace(mb, loss_mask=mb.loss_mask * ~mb.guided[:, None])
     metrics: dict[str, float] = {}
     if algo.off_policy == "none" and bool(cross.any()):
         advantages, metrics = cross_policy_advantages(mb, cross, old_logp, advantages, cross_cap)
@@ -99,11 +109,23 @@ def token_advantages(
         w = torch.where(mb.replayed[:, None], w, torch.ones_like(w))
         advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * w
     if algo.off_policy == "none":
-        return TokenAdvantages(advantages, mb.loss_mask, old_logp, returns, metrics)
-    ratio_logp, advantages, pg_mask, off_metrics = correct_off_policy(
-        algo.off_policy, old_logp, mb.behaviour_logp, advantages, mb.loss_mask, algo.tis_cap, algo.m2po_tau,
-        algo.off_policy_kwargs)
-    return TokenAdvantages(advantages, pg_mask, ratio_logp, returns, {**metrics, **off_metrics})
+        pg_mask, ratio_logp = mb.loss_mask, old_logp
+    else:
+        ratio_logp, advantages, pg_mask, off_metrics = correct_off_policy(
+            algo.off_policy, old_logp, mb.behaviour_logp, advantages, mb.loss_mask, algo.tis_cap, algo.m2po_tau,
+            algo.off_policy_kwargs)
+        metrics.update(off_metrics)
+    if guided_mask is not None:
+        advantages = _with_rows(advantages, reference_advantages, mb.guided, mb.loss_mask.shape)
+    return TokenAdvantages(advantages, pg_mask, ratio_logp, returns, metrics, guided_mask)
+
+
+def _with_rows(advantages: torch.Tensor, other: torch.Tensor, rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``advantages`` with ``other``'s on ``rows``; [B] when both are, else [B, T]."""
+    if advantages.dim() == 1 and other.dim() == 1:
+        return torch.where(rows, other, advantages)
+    per_token = [a[:, None].expand(shape) if a.dim() == 1 else a.expand(shape) for a in (advantages, other)]
+    return torch.where(rows[:, None], per_token[1], per_token[0])
 
 
 def _reward_advantages(

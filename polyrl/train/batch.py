@@ -21,6 +21,7 @@ class Batch:
     behaviour_logp: torch.Tensor  # [B, R]
     advantages: torch.Tensor  # [B], or [B, R] when some trajectory has token_advantages
     replayed: torch.Tensor  # [B] bool: stored samples whose behaviour log-probs come from an older policy
+    guided: torch.Tensor  # [B] bool: reference replies no policy sampled (guidance)
 
     @property
     def response_len(self) -> int:
@@ -58,6 +59,7 @@ class Batch:
             behaviour_logp=sub.behaviour_logp[:, :right],
             advantages=sub.advantages[:, :right] if sub.advantages.dim() == 2 else sub.advantages,
             replayed=sub.replayed,
+            guided=sub.guided,
         )
 
 
@@ -97,4 +99,5 @@ def collate(trajectories: list[Trajectory], pad_id: int) -> Batch:
         behaviour_logp=behaviour,
         advantages=advantages,
         replayed=torch.tensor([t.replayed for t in trajectories], dtype=torch.bool),
+        guided=torch.tensor([t.guided for t in trajectories], dtype=torch.bool),
     )

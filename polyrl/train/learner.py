@@ -74,6 +74,7 @@ class Learner:
         is_cap: float = 2.0,
         sharding: LearnerConfig | None = None,
         replay_is_cap: float = 1.0,
+        shaping_gamma: float | None = 0.1,
     ) -> None:
         """``total_steps`` is the run's length, over which a decaying learning-rate schedule reaches 0;
         ``teachers`` maps a task name to its frozen distillation teacher (``algo.distill_coef`` weighs it).
@@ -83,6 +84,7 @@ class Learner:
         self.teachers = teachers or {}
         self.is_cap = is_cap  # truncated IS cap for rows sampled by another policy (info["cross_policy"])
         self.replay_is_cap = replay_is_cap  # truncation of replayed samples' importance weights (agents.replay)
+        self.shaping_gamma = shaping_gamma  # LUFFY's policy shaping of reference tokens (guidance)
         self.algo = algo
         self.optim_cfg = optim
         self.temperature = temperature
@@ -237,11 +239,11 @@ class Learner:
             advantages = token_advantages(algo, mb, plan.rewards[c], old_logp, ref_logp, old_values, plan.cross[c],
                                           self.is_cap, self.replay_is_cap)
             if epoch == 0 and plan.real[k]:  # another model's rows (cross-policy) are no engine mismatch
-                own = mb.loss_mask * ~plan.cross[c][:, None]
+                own = mb.loss_mask * ~(plan.cross[c] | mb.guided)[:, None]
                 add_sums(metrics.mismatch, mismatch_sums(old_logp, mb.behaviour_logp, own, algo.mismatch_band))
             teacher_logits, teacher_rows = self._teacher_logits(mb, logits, [plan.tasks[i] for i in c.tolist()])
             x = LossInputs(mb, logp, entropy, values, logits, ref_logp, old_values, advantages, teacher_logits,
-                           teacher_rows, plan.num_tokens, share, anchor_topk)
+                           teacher_rows, plan.num_tokens, share, anchor_topk, self.shaping_gamma)
             terms = [term(algo, x) for term in LOSS_TERMS]
             loss = sum(t.loss for t in terms if t.loss is not None)  # policy + entropy + distill + KL + value
             loss.backward()

@@ -1,6 +1,7 @@
 """The learner's loss, term by term: each a pure function of one micro-batch's forward pass (``LossInputs``)
 returning its weighted loss, its logged part of the batch loss, and its metrics. The micro-batch's loss is
-their sum, in the order of ``LOSS_TERMS``: policy gradient + entropy bonus + distillation + KL + value."""
+their sum, in the order of ``LOSS_TERMS``: policy gradient + reference guidance + entropy bonus + distillation +
+KL + value."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from polyrl.algorithms import LOSSES, aggregate, kl_estimate
 from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import value_loss
+from polyrl.algorithms.guidance import shaped_reference_loss
 from polyrl.algorithms.validate import takes_behaviour
 from polyrl.config import AlgorithmConfig
 from polyrl.train.advantage_stage import TokenAdvantages
@@ -45,6 +47,8 @@ class LossInputs:
     """This micro-batch's weight in the batch loss: 1 under token-mean, its fraction of the rows otherwise."""
     anchor_topk: tuple[torch.Tensor, torch.Tensor] | None = None
     """([B, T, K] ids, [B, T, K] log-probs) of the policy at the update's start, when the loss reads them."""
+    shaping_gamma: float | None = 0.1
+    """LUFFY's policy-shaping gamma for reference tokens (``guidance.shaping_gamma``)."""
 
 
 class Term(NamedTuple):
@@ -68,6 +72,17 @@ def policy_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
     pg_loss, metrics = loss_fn(x.logp, adv.ratio_logp, adv.advantages, adv.pg_mask, clip_low=algo.clip_low,
                                clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=x.num_tokens, **kwargs)
     return Term(algo.pg_coef * pg_loss * x.share, {"loss/pg": float(pg_loss.detach()) * x.share}, metrics)
+
+
+def guidance_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
+    """Reference replies in all-fail groups (``guidance``): LUFFY's shaped objective on their tokens, in place
+    of the policy loss, weighted by ``pg_coef`` like it."""
+    adv = x.advantages
+    if adv.guided_mask is None:
+        return Term(None, {}, {})
+    g_loss, metrics = shaped_reference_loss(x.logp, adv.advantages, adv.guided_mask, x.shaping_gamma,
+                                            algo.loss_agg, x.num_tokens)
+    return Term(algo.pg_coef * g_loss * x.share, {"loss/guidance": float(g_loss.detach()) * x.share}, metrics)
 
 
 def entropy_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
@@ -107,6 +122,6 @@ def value_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
 
 
 LOSS_TERMS: tuple[Callable[[AlgorithmConfig, LossInputs], Term], ...] = (
-    policy_term, entropy_term, distill_term, kl_term, value_term,
+    policy_term, guidance_term, entropy_term, distill_term, kl_term, value_term,
 )
 """The loss of a micro-batch is the sum of these terms, in this order."""

@@ -39,6 +39,7 @@ from polyrl.train import faults
 from polyrl.train.advantage_stage import assign_advantages
 from polyrl.train.agents import GroupRollout, Replay, Requests, add_metrics, episode_metrics
 from polyrl.train.glibc_malloc import give_back_freed_memory, keep_freed_memory, memory_budget, trim_above
+from polyrl.train.guidance import Guidance
 from polyrl.train.learner import Learner
 from polyrl.train.multitask import CrossPolicy, build_curriculum, level_task, observe_curriculum, set_mixture
 from polyrl.train.teachers import load_teachers
@@ -78,6 +79,8 @@ class Run:
     """Another policy's engine for a share of the groups (``rollout.cross_policy``)."""
     monitor: RewardMonitor | None = None
     """Reward-hacking monitors (``monitors``), when on and some task has checks."""
+    guidance: Guidance | None = None
+    """Reference replies in all-fail groups (``guidance``), when on."""
     memory_budget: int | None = None
     """Bytes of resident memory above which freed memory is given back after an update (``runtime``)."""
 
@@ -112,7 +115,8 @@ def build_run(config: Config, run_dir: Path) -> Run:
     learner = Learner(
         model, config.algorithm, config.optim, config.rollout.temperature, model_bf16(config), engine.pad_id,
         total_steps=config.train.steps, teachers=load_teachers(config, engine_model), sharding=config.learner,
-        replay_is_cap=config.agents.replay.is_cap, **({"is_cap": cross.is_cap} if cross is not None else {}),
+        replay_is_cap=config.agents.replay.is_cap, shaping_gamma=config.guidance.shaping_gamma,
+        **({"is_cap": cross.is_cap} if cross is not None else {}),
     )
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=config.train.seed)
     monitor = RewardMonitor({t.name: monitor_kind(env_name(t), t.answer) for t in config.tasks}, tokenizer.decode,
@@ -125,6 +129,8 @@ def build_run(config: Config, run_dir: Path) -> Run:
         reward_mixer=RewardMixer(tasks, tokenizer, config.model.name, config.train.seed, device=config.train.device),
         cross_policy=CrossPolicy(config, tokenizer) if cross is not None and cross.share > 0 else None,
         monitor=monitor if config.monitors.enabled and monitor.active else None,
+        guidance=Guidance(config.guidance, tokenizer, config.rollout.max_new_tokens, config.train.seed)
+        if config.guidance.reference else None,
         memory_budget=memory_budget(config.runtime.memory_budget_gb),
     )
 
@@ -182,16 +188,22 @@ def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: R
     groups = dynamic_sample(sample_round, cfg.rollout.prompts_per_step, algo.dynamic_sampling, algo.max_extra_rounds)
     t_rollout = time.perf_counter() - t0
     metrics = shape_rewards(groups.sampled, algo, cfg.rollout.max_new_tokens)
-    metrics.update(observe_curriculum(run.curriculum, step, groups.sampled))  # levels, pass rates, mixture
+    sampled = policy_samples(groups.sampled)
+    metrics.update(observe_curriculum(run.curriculum, step, sampled))  # levels, pass rates, mixture
     if run.cross_policy is not None:
-        metrics.update(run.cross_policy.metrics(groups.sampled))
+        metrics.update(run.cross_policy.metrics(sampled))
     if run.monitor is not None:
-        metrics.update(monitor_metrics(groups.sampled))
+        metrics.update(monitor_metrics(sampled))
     metrics.update(assign_advantages(groups.kept, algo, cfg.agents))  # estimator, task norm, step credit, ARPO
     metrics.update(episode_metrics(groups.sampled, cfg.agents))
     metrics.update(reward_error_metrics(groups.sampled))
     metrics.update(round_metrics)
     return ScoredBatch(step, groups, metrics, t_rollout)
+
+
+def policy_samples(trajectories: list[Trajectory]) -> list[Trajectory]:
+    """What a policy sampled: reference replies mixed in by guidance left out of rewards and pass rates."""
+    return [t for t in trajectories if not t.guided]
 
 
 def sample_and_score(run: Run, step: int, version: int, rollout_fn: RolloutFn, round_metrics: dict[str, float],
@@ -211,6 +223,11 @@ def sample_and_score(run: Run, step: int, version: int, rollout_fn: RolloutFn, r
     if run.monitor is not None:  # reward-hacking flags; zeroes flagged rewards if asked, before replay sees them
         run.monitor.flag(trajectories)
     add_metrics(round_metrics, run.replay.mix_in(trajectories, step))  # successes into all-fail groups
+    if run.guidance is not None:  # reference replies into the groups still all-fail
+        by_group = {first_id + g: request for g, request in enumerate(requests)}
+        guided, counts = run.guidance.mix_in(trajectories, by_group, step)
+        run.reward_mixer.apply(guided, {gid: item for gid, (_, _, item) in by_group.items()})
+        add_metrics(round_metrics, counts)
     return trajectories
 
 
@@ -247,7 +264,8 @@ def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
 def step_metrics(batch: ScoredBatch, update: dict[str, float], update_time_s: float, step_time_s: float) -> dict:
     """Step 8's record. Reward and length are over everything sampled (the policy's performance, not the
     filtered batch)."""
-    sampled, generated = batch.sampled, sum(t.num_model_tokens for t in batch.sampled)
+    sampled = policy_samples(batch.sampled)
+    generated = sum(t.num_model_tokens for t in sampled)
     if not sampled:
         return {"reward/mean": None, **batch.shaping, **update, "tokens_per_s": 0.0,
                 "rollout_time_s": batch.rollout_time_s, "update_time_s": update_time_s, "step_time_s": step_time_s}

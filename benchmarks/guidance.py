@@ -1,0 +1,143 @@
+"""Guidance for all-fail groups (docs/guidance.md), measured on the bundled model in two suites:
+
+- ``quickstart``: the quickstart for its 90 steps per arm and seed (``quickstart_seeds.py``, records named
+  ``<arm>-seed<n>`` in benchmarks/results/quickstart_seeds.json), held-out accuracy in float32 overall and on
+  items whose answer is negative (the minus sign the base model almost never writes).
+- ``tasks``: reasoning-gym tasks that no shipped config is tuned on, at their default difficulty, run as
+  ``polyrl train configs/quickstart.yaml`` with only the task swapped (its 7.5-minute training budget),
+  held-out accuracy before and after; records in benchmarks/results/guidance.json.
+
+    python benchmarks/guidance.py quickstart --arms today guided --seeds 0 1 2
+    python benchmarks/guidance.py tasks --arms today guided --tasks products leg_counting
+    python benchmarks/guidance.py table          # the docs' tables again, from the results files
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from statistics import median
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_block import replace_block  # noqa: E402
+from large_data import machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART_RESULTS = ROOT / "benchmarks" / "results" / "quickstart_seeds.json"
+RESULTS = ROOT / "benchmarks" / "results" / "guidance.json"
+DOC = ROOT / "docs" / "guidance.md"
+ARMS = {
+    "today": [],
+    "guided": ["guidance.reference=true"],
+    "guided-unshaped": ["guidance.reference=true", "guidance.shaping_gamma=null"],
+    "guided-anneal": ["guidance.reference=true", "guidance.anneal_steps=60"],
+}
+TASKS = ["products", "largest_island", "aiw"]
+
+
+def run_quickstart(arm: str, seed: int) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "quickstart_seeds.py"), "--name", f"{arm}-seed{seed}",
+           "--steps", "90", "--seed", str(seed), *ARMS[arm]]
+    subprocess.run(cmd, check=True)
+
+
+def run_task(arm: str, task: str, seed: int, workdir: Path) -> dict:
+    out = workdir / f"{task}-{arm}-{seed}"
+    cmd = ["polyrl", "train", str(ROOT / "configs" / "quickstart.yaml"), f"tasks.0.name={task}", "tasks.0.params={}",
+           f"train.seed={seed}", "logging.progress=false", *ARMS[arm], "-o", str(out)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{task} / {arm}: polyrl train failed:\n{proc.stderr[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return {
+        "task": task, "arm": arm, "seed": seed, "overrides": ARMS[arm],
+        "before": summary["eval_before"][task], "after": summary["eval_after"][task],
+        "steps": summary["steps"], "train_time_s": summary["train_time_s"], "wall_s": time.perf_counter() - t0,
+        "guided": sum(r.get("guidance/guided", 0) for r in rows),
+        "zero_gradient_steps": sum(r.get("zero_gradient", 0) for r in rows),
+        "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def _negative(record: dict) -> str:
+    return record["heldout"]["by_category"]["minus, negative answer"]
+
+
+def quickstart_table() -> str:
+    runs = json.loads(QUICKSTART_RESULTS.read_text())["runs"] if QUICKSTART_RESULTS.exists() else []
+    lines = ["| arm | seeds | held-out (each seed) | worst | median | negative answers (each seed) | training (each) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for arm in ARMS:
+        mine = sorted((r for r in runs if r["name"].rsplit("-seed", 1)[0] == arm and r["steps"] == 90),
+                      key=lambda r: r["seed"])
+        if not mine:
+            continue
+        acc = [100 * r["heldout"]["accuracy"] for r in mine]
+        overrides = " ".join(ARMS[arm]) or "the quickstart as shipped"
+        seeds = ", ".join(str(r["seed"]) for r in mine)
+        each = ", ".join(f"{a:.1f}" for a in acc)
+        negative = ", ".join(_negative(r) for r in mine)
+        minutes = ", ".join(f"{r['train_time_s'] / 60:.1f}" for r in mine)
+        lines.append(f"| {arm} ({overrides}) | {seeds} | {each} % | {min(acc):.1f} % | {median(acc):.1f} % "
+                     f"| {negative} | {minutes} min |")
+    return "\n".join(lines)
+
+
+def tasks_table(results: dict) -> str:
+    m = results.get("machine", {})
+    lines = [f"{m.get('date', '')}; {m.get('cpu_model', '')}, {m.get('cores', '')} cores.", "",
+             "| task | arm | held-out before | after | gain | steps | groups guided | zero-gradient steps |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results.get("runs", []):
+        lines.append(f"| {r['task']} | {r['arm']} | {100 * r['before']:.1f} % | {100 * r['after']:.1f} % | "
+                     f"{100 * (r['after'] - r['before']):+.1f} pts | {r['steps']} | {r['guided']:.0f} | "
+                     f"{r['zero_gradient_steps']:.0f} |")
+    return "\n".join(lines)
+
+
+def write_tables() -> None:
+    replace_block(DOC, "<!-- guidance-quickstart:start -->", "<!-- guidance-quickstart:end -->", quickstart_table(),
+                  "The quickstart, three seeds")
+    if RESULTS.exists():
+        replace_block(DOC, "<!-- guidance-tasks:start -->", "<!-- guidance-tasks:end -->",
+                      tasks_table(json.loads(RESULTS.read_text())), "Tasks no config was tuned on")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("suite", choices=["quickstart", "tasks", "table"])
+    p.add_argument("--arms", nargs="+", default=["today", "guided"], choices=list(ARMS))
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--tasks", nargs="+", default=TASKS)
+    args = p.parse_args()
+    if args.suite == "quickstart":
+        for arm in args.arms:
+            for seed in args.seeds:
+                run_quickstart(arm, seed)
+    elif args.suite == "tasks":
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": []}
+        results["machine"] = machine()
+        with tempfile.TemporaryDirectory(prefix="polyrl-guidance-") as tmp:
+            for task in args.tasks:
+                for arm in args.arms:
+                    for seed in args.seeds:
+                        results["runs"] = [r for r in results["runs"]
+                                           if (r["task"], r["arm"], r["seed"]) != (task, arm, seed)]
+                        results["runs"].append(run_task(arm, task, seed, Path(tmp)))
+                        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+        results["machine"]["load_average_at_end"] = os.getloadavg()
+        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    write_tables()
+    print(quickstart_table())
+
+
+if __name__ == "__main__":
+    main()
