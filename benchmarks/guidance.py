@@ -36,7 +36,8 @@ ARMS = {
     "today": [],
     "guided": ["guidance.reference=true"],
     "guided-unshaped": ["guidance.reference=true", "guidance.shaping_gamma=null"],
-    "guided-anneal": ["guidance.reference=true", "guidance.anneal_steps=60"],
+    "guided-unshaped-anneal": ["guidance.reference=true", "guidance.shaping_gamma=null",
+                               "guidance.anneal_steps=60"],
 }
 TASKS = ["products", "largest_island", "aiw"]
 

@@ -191,8 +191,9 @@ def test_learner_turns_rewards_into_gae_advantages_and_trains_the_critic():
     rewards = torch.tensor([t.reward for t in ts])
     # a fresh head predicts V = 0: A_t = (gamma lam)^(2 - t) R -> [0.9025, 0.95, 1] for R = 1, zeros for R = 0
     no_cross = torch.zeros(4, dtype=torch.bool)
-    adv, _, _, returns, _ = token_advantages(learner.algo, batch, rewards, torch.zeros(4, 3), None, torch.zeros(4, 3),
-                                             no_cross, 2.0, 1.0)
+    result = token_advantages(learner.algo, batch, rewards, torch.zeros(4, 3), None, torch.zeros(4, 3), no_cross,
+                              2.0, 1.0)
+    adv, returns = result.advantages, result.returns
     assert adv[1].tolist() == pytest.approx([0.9025, 0.95, 1.0]) and adv[0].tolist() == [0.0, 0.0, 0.0]
     assert torch.equal(returns, adv)
     before = [p.detach().clone() for p in learner.value_head.parameters()]

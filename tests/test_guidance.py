@@ -1,6 +1,7 @@
 """Guidance for all-fail groups: LUFFY's shaped loss by hand, which groups get a reference and which never do,
 the learner's handling of reference rows, and a run in which the policy learns the reference."""
 
+import json
 import math
 
 import pytest
@@ -131,3 +132,20 @@ def test_rl_step_with_guidance_trains_on_references_and_logs_only_the_policys_re
     assert all(t.reward == 1.0 for t in guided)
     policy = [t for t in kept if not t.guided]
     assert metrics["reward/mean"] == pytest.approx(sum(t.reward for t in policy) / len(policy))
+
+
+def test_a_resumed_run_mixes_in_what_the_whole_run_did(tmp_path):
+    from polyrl.train.loop import train
+
+    def config(steps):
+        return load_config(SMOKE, [f"train.steps={steps}", "guidance.reference=true", "eval.before=false",
+                                   "eval.after=false", "logging.tensorboard=false", "logging.report=false",
+                                   "rollout.max_new_tokens=6"])
+
+    train(config(2), tmp_path / "a", log=lambda *_: None)
+    train(config(1), tmp_path / "b", log=lambda *_: None)
+    train(config(2), tmp_path / "b", resume=True, log=lambda *_: None)
+    rows = [[json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in "ab"]
+    keys = ("guidance/guided", "loss/guidance", "reward/mean")
+    assert rows[0][-1]["guidance/guided"] > 0
+    assert [[r[k] for k in keys] for r in rows[0]] == [[r[k] for k in keys] for r in rows[1]]

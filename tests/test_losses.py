@@ -275,7 +275,7 @@ def test_kl_in_the_reward_makes_per_token_advantages():
     batch.advantages = torch.tensor([1.0])
     old, ref = torch.zeros(1, 3), torch.tensor([[-0.1, -0.2, -0.3]])
     no_cross = torch.tensor([False])
-    adv, _, _, returns, _ = token_advantages(learner.algo, batch, torch.tensor([1.0]), old, ref, None, no_cross, 2.0,
+    adv, _, _, returns, _, _ = token_advantages(learner.algo, batch, torch.tensor([1.0]), old, ref, None, no_cross, 2.0,
                                              1.0)
     assert adv[0].tolist() == pytest.approx([0.7, 0.75, 0.85]) and returns is None
     # in the loss instead: advantages stay per sequence

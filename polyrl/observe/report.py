@@ -19,6 +19,8 @@ from polyrl.observe.plots import eval_bar_plot, line_plot
 # Per-step samples shown per task in the "rollouts" section.
 EXAMPLES_PER_TASK = 3
 MAX_EXAMPLE_CHARS = 600
+SAMPLE_FLAGS = ("truncated", "terminated_early", "replayed", "guided")
+"""Trajectory flags counted per task and shown on examples (guided: a reference reply, docs/guidance.md)."""
 
 
 class ReportError(ValueError):
@@ -70,7 +72,7 @@ def load_run(run_dir: Path) -> RunData:
     if traj_path.is_file():
         # Keep only what the report shows; token arrays are the viewer's business.
         keep = ("step", "task", "item_id", "group_id", "reward", "advantage", "text", "truncated",
-                "terminated_early", "replayed", "loss_mask")
+                "terminated_early", "replayed", "guided", "loss_mask")
         for _, row in read_jsonl(traj_path):
             sample = {k: row[k] for k in keep if k in row}
             sample["model_tokens"] = sum(sample.pop("loss_mask", []) or [])
@@ -287,7 +289,7 @@ def samples_section(samples: list[dict[str, Any]]) -> str:
     stat_rows = []
     for task in tasks:
         mine = [s for s in samples if str(s.get("task", "?")) == task]
-        flags = ("truncated", "terminated_early", "replayed")
+        flags = SAMPLE_FLAGS
         rates = "".join(
             f"<td class=num>{_pct(sum(bool(s.get(f)) for s in mine) / len(mine))}</td>" for f in flags
         )
@@ -297,7 +299,7 @@ def samples_section(samples: list[dict[str, Any]]) -> str:
             f"<td class=num>{mean_r:.3f}</td>{rates}</tr>"
         )
     stats = ("<table id=sample-stats><tr><th>task</th><th>stored</th><th>mean reward</th><th>truncated</th>"
-             "<th>terminated early</th><th>replayed</th></tr>" + "".join(stat_rows) + "</table>")
+             "<th>terminated early</th><th>replayed</th><th>guided</th></tr>" + "".join(stat_rows) + "</table>")
     # The best and worst stored samples of the last step show what the policy does now.
     last = [s for s in samples if s.get("step", 0) == steps[-1]]
     example_rows = []
@@ -310,7 +312,7 @@ def samples_section(samples: list[dict[str, Any]]) -> str:
             if len(text) > MAX_EXAMPLE_CHARS:
                 text = text[:MAX_EXAMPLE_CHARS] + " …"
             flags = "".join(f"<span class=flag>{_e(f.replace('_', ' '))}</span>"
-                            for f in [*(f for f in ("truncated", "terminated_early", "replayed") if s.get(f)),
+                            for f in [*(f for f in SAMPLE_FLAGS if s.get(f)),
                                       *s.get("monitor_flags", [])])
             example_rows.append(
                 f"<tr><td>{_e(task)}</td><td class=num>{_fmt(s.get('item_id', '-'))}</td>"
