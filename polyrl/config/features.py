@@ -42,9 +42,9 @@ class ReplayConfig(_Strict):
 
 class GuidanceConfig(_Strict):
     """Off-policy guidance for groups whose samples all fail (docs/guidance.md): such a group teaches a group
-    baseline nothing, so the item's reference reply (``tasks[].reference``) takes its last sample's place and
-    is trained with LUFFY's shaped objective (Yan et al. 2025, "Learning to Reason under Off-Policy Guidance"),
-    only on all-fail groups as AMPO does, the help annealed away as HAPO's is."""
+    baseline nothing, so the item's reference reply (``tasks[].reference``) takes its last sample's place, as
+    LUFFY mixes reference solutions into its groups (Yan et al. 2025, "Learning to Reason under Off-Policy
+    Guidance"), only in all-fail groups as AMPO does, the help optionally annealed away as HAPO's is."""
 
     reference: bool = False
     """Mix the reference reply into all-fail groups."""
@@ -52,10 +52,10 @@ class GuidanceConfig(_Strict):
     """Probability that an all-fail group gets it."""
     anneal_steps: int = Field(0, ge=0)
     """The probability falls linearly to 0 over this many steps (0: it stays)."""
-    shaping_gamma: float | None = Field(0.1, gt=0)
-    """gamma of LUFFY's policy shaping f(p) = p / (p + gamma) on reference tokens: the push is largest on
-    tokens the policy gives probability near gamma. null: no shaping, the reference weighed as if sampled
-    (gradient A grad log p), the strongest push on tokens the policy finds unlikely."""
+    shaping_gamma: float | None = Field(None, gt=0)
+    """null: the reference's tokens are weighed as if the policy had sampled them (gradient A grad log p).
+    A number: LUFFY's policy shaping f(p) = p / (p + gamma) (the paper uses 0.1), whose push peaks on tokens
+    of probability near gamma and fades for tokens the policy finds far less likely (docs/guidance.md)."""
     success_score: float = 1.0
     """A sample succeeds when its score (info.score) reaches this; a group without one is all-fail."""
 

@@ -74,7 +74,7 @@ class Learner:
         is_cap: float = 2.0,
         sharding: LearnerConfig | None = None,
         replay_is_cap: float = 1.0,
-        shaping_gamma: float | None = 0.1,
+        shaping_gamma: float | None = None,
     ) -> None:
         """``total_steps`` is the run's length, over which a decaying learning-rate schedule reaches 0;
         ``teachers`` maps a task name to its frozen distillation teacher (``algo.distill_coef`` weighs it).

@@ -47,8 +47,8 @@ class LossInputs:
     """This micro-batch's weight in the batch loss: 1 under token-mean, its fraction of the rows otherwise."""
     anchor_topk: tuple[torch.Tensor, torch.Tensor] | None = None
     """([B, T, K] ids, [B, T, K] log-probs) of the policy at the update's start, when the loss reads them."""
-    shaping_gamma: float | None = 0.1
-    """LUFFY's policy-shaping gamma for reference tokens (``guidance.shaping_gamma``)."""
+    shaping_gamma: float | None = None
+    """LUFFY's policy-shaping gamma for reference tokens (``guidance.shaping_gamma``); None: no shaping."""
 
 
 class Term(NamedTuple):
@@ -75,8 +75,8 @@ def policy_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
 
 
 def guidance_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
-    """Reference replies in all-fail groups (``guidance``): LUFFY's shaped objective on their tokens, in place
-    of the policy loss, weighted by ``pg_coef`` like it."""
+    """Reference replies in all-fail groups (``guidance``): their tokens trained as if sampled, or with LUFFY's
+    shaping (``guidance.shaping_gamma``), in place of the policy loss, weighted by ``pg_coef`` like it."""
     adv = x.advantages
     if adv.guided_mask is None:
         return Term(None, {}, {})
