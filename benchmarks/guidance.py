@@ -95,11 +95,12 @@ def quickstart_table() -> str:
 def tasks_table(results: dict) -> str:
     m = results.get("machine", {})
     lines = [f"{m.get('date', '')}; {m.get('cpu_model', '')}, {m.get('cores', '')} cores.", "",
-             "| task | arm | held-out before | after | gain | steps | groups guided | zero-gradient steps |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| task | arm | held-out before | after | gain | steps | training | groups guided | zero-gradient steps |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results.get("runs", []):
         lines.append(f"| {r['task']} | {r['arm']} | {100 * r['before']:.1f} % | {100 * r['after']:.1f} % | "
-                     f"{100 * (r['after'] - r['before']):+.1f} pts | {r['steps']} | {r['guided']:.0f} | "
+                     f"{100 * (r['after'] - r['before']):+.1f} pts | {r['steps']} | {r['train_time_s'] / 60:.1f} min | "
+                     f"{r['guided']:.0f} | "
                      f"{r['zero_gradient_steps']:.0f} |")
     return "\n".join(lines)
 
