@@ -45,7 +45,7 @@ def train(
 ) -> None:
     """Train a policy with RL as the config says; evaluate held-out before and after."""
     from polyrl.config import ConfigError
-    from polyrl.config_check import load_config
+    from polyrl.config_check import check_machine, load_config
 
     try:
         cfg = load_config(config, overrides or [])
@@ -54,6 +54,10 @@ def train(
     if dry_run:
         _dry_run(cfg, config)
         return
+    try:
+        check_machine(cfg)  # before any model loads: what this machine cannot run ends here, in one line
+    except ValueError as exc:
+        _fail(f"{config}: {exc}")
     run_dir = output or Path("runs") / cfg.name
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     from polyrl.models.loading import ModelNotFoundError
@@ -65,21 +69,28 @@ def train(
 
     from polyrl.observe.metrics import SinkError
     from polyrl.parallel.group import RankFailedError
+    from polyrl.runtime.placement import PlacementError
     from polyrl.train.checkpoint import CheckpointError
+    from polyrl.waits import WaitTimeoutError
+
+    # A run that cannot go on for a reason outside the code says why in one line; anything else is a bug and
+    # keeps its traceback.
+    run_errors = (ModelNotFoundError, ValueError, NonFiniteError, SinkError, RankFailedError, CheckpointError,
+                  PlacementError, WaitTimeoutError)
 
     if cfg.stages:  # a pipeline: every stage is a run under RUN_DIR/stages/
         from polyrl.train.pipeline import run_pipeline
 
         try:
             run_pipeline(cfg, run_dir, resume=resume, log=log)
-        except (ModelNotFoundError, ValueError, NonFiniteError, SinkError) as exc:
+        except run_errors as exc:
             _fail(str(exc))
         typer.echo((run_dir / "stages.md").read_text())
         typer.echo(f"stages: {run_dir / 'stages.json'}  registry: {run_dir / 'registry.json'}")
         return
     try:
         summary = run_training(cfg, run_dir, resume=resume, log=log)
-    except (ModelNotFoundError, ValueError, NonFiniteError, SinkError, RankFailedError, CheckpointError) as exc:
+    except run_errors as exc:
         _fail(str(exc))
     _print_summary(summary, run_dir)
     if cfg.logging.report and (run_dir / "report.html").exists():

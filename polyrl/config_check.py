@@ -7,6 +7,7 @@ configures. Every error is still one line that names the file and key.
 
 from __future__ import annotations
 
+import importlib
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -17,10 +18,46 @@ from polyrl.envs.base import check_task
 
 def check_extras(config: Config) -> None:
     """The optional packages the config asks for are installed (found without importing them), so a missing
-    one fails here, with its install command, not after the model has loaded. (vLLM is checked where the
-    engine is made: plans of GPU runs load vLLM configs on machines without it.)"""
-    if config.runtime.kind == "ray" and find_spec("ray") is None:
-        raise ValueError("runtime.kind: ray is not installed; pip install 'polyrl[ray]'")
+    one fails here, with its install command, not after the model has loaded. TextArena and verifiers are
+    checked with their tasks' names (``envs/``); the Agents SDK where an agent's module uses the adapter.
+
+    vLLM is not checked here: configs of vLLM runs are also loaded where they are planned, on machines without
+    vLLM (``benchmarks/gpu_check.py`` plans GPU and CPU runs alike); ``polyrl train`` checks it before the
+    model loads (``check_machine``), and ``make_engine`` for runs started from Python."""
+    for key, extra, asked in (("runtime.kind", "ray", config.runtime.kind == "ray"),
+                              ("logging.mlflow", "mlflow", config.logging.mlflow),
+                              ("logging.wandb", "wandb", config.logging.wandb)):
+        if asked and find_spec(extra) is None:
+            raise ValueError(f"{key}: {extra} is not installed; pip install 'polyrl[{extra}]'")
+
+
+def check_agent_sdk(config: Config) -> None:
+    """An agent task whose module runs OpenAI Agents SDK agents (it imports ``polyrl.adapters.agents_sdk``)
+    needs the SDK: without it every episode would be dropped at its first call, and the run train on nothing."""
+    if find_spec("agents") is not None:
+        return
+    for i, task in enumerate(config.tasks):
+        if task.agent is None:
+            continue
+        module = importlib.import_module(task.agent.partition(":")[0])  # check_task has imported it already
+        if any(getattr(value, "__module__", None) == "polyrl.adapters.agents_sdk" or
+               getattr(value, "__name__", None) == "polyrl.adapters.agents_sdk" for value in vars(module).values()):
+            raise ValueError(f"tasks.{i}.agent: '{task.agent}' runs OpenAI Agents SDK agents, which are not "
+                             "installed; pip install 'polyrl[agents]'")
+
+
+def check_machine(config: Config) -> None:
+    """What a run needs of this machine, checked by ``polyrl train`` before any model loads (not by
+    ``load_config``: a config may be loaded to plan a run elsewhere). vLLM for ``engine.kind: vllm``, and room
+    on a local Ray for the learner rank actors and rollout workers asked for; a one-line ValueError otherwise."""
+    from polyrl.runtime.placement import local_placement_problem
+
+    if config.engine.kind == "vllm" and find_spec("vllm") is None:
+        from polyrl.engines import VLLM_INSTALL_HINT
+
+        raise ValueError(VLLM_INSTALL_HINT)
+    if problem := local_placement_problem(config):
+        raise ValueError(problem)
 
 
 def check_names(config: Config) -> None:
@@ -36,6 +73,7 @@ def check_names(config: Config) -> None:
                 raise ValueError(f"stages.{i}.algorithm: {exc}") from None
     for i, task in enumerate(config.tasks):
         check_task(task, key=f"tasks.{i}")
+    check_agent_sdk(config)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, data: dict | None = None) -> Config:

@@ -194,8 +194,8 @@ class TaskConfig(_Strict):
     reward_params: dict[str, Any] = {}
     """Settings of a built-in checker named by ``reward`` (as reward_components[].params)."""
     reward_timeout_s: float = Field(30.0, gt=0)
-    """Seconds one call of your reward may run; past it the call's replies score 0 (counted in
-    ``reward/errors``) and training goes on."""
+    """Seconds one call of your reward (or one verifiers rubric's scoring) may run; past it the call's replies
+    score 0 (counted in ``reward/errors``) and training goes on."""
     audit: AuditConfig = AuditConfig()
     reference: str | None = None
     """The reference reply ``guidance`` plays in groups whose samples all fail: a template over the item's
@@ -447,7 +447,9 @@ class LearnerConfig(_Strict):
     """Under ``runtime.kind: ray``: when a rank is lost with its process or node, start every rank again from
     the newest checkpoint this many times before stopping with an error."""
     timeout_s: float = Field(1800.0, gt=0)
-    """A collective that waits longer than this fails the run with an error instead of hanging (a rank died)."""
+    """A wait on another process of the run longer than this ends it with one line naming the wait, instead of
+    hanging: the ranks joining, a collective (a rank died or hangs), a weight sync, a batch from the async
+    rollout process or the Ray rollout workers."""
 
 
 class LoggingConfig(_Strict):

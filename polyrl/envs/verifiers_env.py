@@ -171,13 +171,15 @@ def _state(env: Any, row: dict[str, Any], prompt_messages: list[dict[str, Any]],
 
 
 def verifiers_score(
-    env: Any, row: dict[str, Any], prompt_messages: list[dict[str, Any]], reply: str
+    env: Any, row: dict[str, Any], prompt_messages: list[dict[str, Any]], reply: str, timeout_s: float | None = None
 ) -> dict[str, float]:
     """{"reward": the rubric's weighted total, <reward function name>: its value} for one single-turn reply.
 
     Scored as verifiers scores a finished rollout (``score_rollout``; ``score_group`` over this one rollout
     when the rubric has group-level functions), then the rubric's cleanup. verifiers scores a reward function
-    that raises as 0; anything else the rubric raises propagates. Safe to call from a thread with no loop."""
+    that raises as 0; anything else the rubric raises propagates. Safe to call from a thread with no loop.
+    A rubric may wait on another process (a judge model behind an API): past ``timeout_s`` it is cancelled and
+    TimeoutError raised."""
     state = _state(env, row, prompt_messages, reply)
     rubric = env.rubric
 
@@ -189,7 +191,13 @@ def verifiers_score(
         if hasattr(rubric, "cleanup"):
             await rubric.cleanup(state)
 
-    _run(score)
+    async def bounded() -> None:
+        try:
+            await asyncio.wait_for(score(), timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"the rubric ran past reward_timeout_s ({timeout_s:g} s)") from None
+
+    _run(bounded)
     scores = {str(key): float(value) for key, value in (state.get("metrics") or {}).items()}
     scores["reward"] = float(state.get("reward") or 0.0)
     return scores
@@ -198,8 +206,9 @@ def verifiers_score(
 class VerifiersEnv(Env):
     """One row of a verifiers environment: its prompt, then its rubric on the reply."""
 
-    def __init__(self, vf_env: Any) -> None:
-        self.vf_env = vf_env
+    def __init__(self, vf_env: Any, timeout_s: float | None = None) -> None:
+        """``timeout_s``: how long the rubric may score one reply (the task's ``reward_timeout_s``)."""
+        self.vf_env, self.timeout_s = vf_env, timeout_s
         self.item: dict[str, Any] = {}
         self.messages: list[Message] = []
 
@@ -209,8 +218,8 @@ class VerifiersEnv(Env):
 
     def step(self, assistant_message: str) -> StepResult:
         try:
-            scores = verifiers_score(self.vf_env, self.item, self.messages, assistant_message)
-        except Exception as exc:  # noqa: BLE001 - a rubric that chokes on a reply scores it 0
+            scores = verifiers_score(self.vf_env, self.item, self.messages, assistant_message, self.timeout_s)
+        except Exception as exc:  # noqa: BLE001 - a rubric that chokes on a reply (or hangs) scores it 0
             return StepResult([], 0.0, True, {"score": 0.0, "reward_error": first_line(exc)})
         total = scores.pop("reward")
         return StepResult([], total, True, {"score": total, "reward_terms": scores})
@@ -241,4 +250,4 @@ def verifiers_task(config: TaskConfig, ctx: TaskContext) -> Task:
                            ListRows(held_out, f"verifiers:{name} eval") if held_out else None,
                            held_out_fraction=config.held_out_fraction, split_seed=config.split_seed, seed=ctx.seed,
                            key=key, name=f"task '{config.name}'")
-    return Task(config, lambda: VerifiersEnv(vf_env), seed=ctx.seed, source=source)
+    return Task(config, lambda: VerifiersEnv(vf_env, config.reward_timeout_s), seed=ctx.seed, source=source)

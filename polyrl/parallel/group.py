@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from polyrl.waits import WaitTimeoutError, is_timeout
+
 SHARD_SEED_STRIDE = 104_729
 """Shard k of a step's rollout groups samples from seed + k * stride (shard 0 keeps the seed)."""
 
@@ -61,8 +63,29 @@ def join_group(backend: str, timeout_s: float, device: torch.device) -> Ranks:
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend_for(backend, device), timeout=timedelta(seconds=timeout_s))
+        world, address = os.environ["WORLD_SIZE"], f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        try:
+            dist.init_process_group(backend_for(backend, device), timeout=timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            if not is_timeout(exc):
+                raise
+            raise WaitTimeoutError(f"all {world} learner ranks to join the process group at {address}", timeout_s,
+                                   "learner.timeout_s", "a rank did not start or hangs before joining") from None
+    global _timeout_s
+    _timeout_s = timeout_s
     return current()
+
+
+_timeout_s = 0.0
+"""The joined group's timeout (``learner.timeout_s``), for the line a timed-out collective ends the run with."""
+
+
+def collective_timeout(exc: BaseException, rank: int) -> WaitTimeoutError | None:
+    """The one line for ``exc`` if it is a collective of the learners' group that timed out, else None."""
+    if not is_timeout(exc) or not _timeout_s:
+        return None
+    return WaitTimeoutError(f"the other learner ranks in a collective (rank {rank})", _timeout_s,
+                            "learner.timeout_s", "a rank died or hangs")
 
 
 def leave_group() -> None:

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from polyrl.parallel.group import RankFailedError
+from polyrl.parallel.group import RankFailedError, collective_timeout
+from polyrl.waits import WaitTimeoutError
 
 
 def free_port() -> int:
@@ -46,7 +47,9 @@ def _rank_main(rank: int, world_size: int, port: int, device_type: str, fn: Call
     except Exception as exc:
         # The parent shows this one line; the whole traceback goes to the rank's stderr first.
         traceback.print_exc()
-        raise RankFailedError(f"learner rank {rank}: {type(exc).__name__}: {exc}") from None
+        exc = collective_timeout(exc, rank) or exc  # gloo's own message names neither the wait nor the setting
+        what = str(exc) if isinstance(exc, WaitTimeoutError) else f"{type(exc).__name__}: {exc}"
+        raise RankFailedError(f"learner rank {rank}: {what}") from None
 
 
 def launch_ranks(world_size: int, device: torch.device, fn: Callable[..., Any], *args: Any) -> None:

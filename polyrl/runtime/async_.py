@@ -26,6 +26,7 @@ from polyrl.runtime.staleness import check_staleness, staleness_metrics
 from polyrl.runtime.stepper import load_producer_state, producer_state, snapshot
 from polyrl.train.step import build_run, learn_batch, local_rollout, produce_batch, step_metrics
 from polyrl.types import Trajectory
+from polyrl.waits import WaitTimeoutError
 
 _POLL_S = 1.0
 
@@ -106,21 +107,29 @@ class AsyncStepper:
         self.state = producer_state(run)  # after the last trained batch: the one a checkpoint keeps
         self._last = time.perf_counter()
 
-    def _receive(self) -> tuple[Any, dict]:
+    def _receive(self, step: int) -> tuple[Any, dict]:
+        """Batch ``step`` from the rollout process; a process that dies or sends nothing for
+        ``learner.timeout_s`` (it hangs) ends the run."""
+        timeout = self.run.config.learner.timeout_s
+        deadline = time.monotonic() + timeout
         while True:
             try:
-                msg = self.batch_q.get(timeout=_POLL_S)
+                msg = self.batch_q.get(timeout=min(_POLL_S, timeout))
             except queue.Empty:
                 if not self.proc.is_alive():
                     raise RuntimeError(f"runtime.kind async: the rollout process died (exit code "
                                        f"{self.proc.exitcode})") from None
+                if time.monotonic() > deadline:
+                    self.proc.kill()  # a hung process would not answer the stop message either
+                    raise WaitTimeoutError(f"the rollout process's batch of step {step}", timeout,
+                                           "learner.timeout_s", "the rollout process hangs") from None
                 continue
             if msg[0] == "error":
                 raise RuntimeError(f"runtime.kind async: the rollout process failed: {msg[1]}\n{msg[2]}")
             return msg[1], msg[2]
 
     def step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
-        batch, state = self._receive()
+        batch, state = self._receive(step)
         if batch.step != step:
             raise RuntimeError(f"runtime.kind async: expected the batch of step {step}, got step {batch.step}")
         check_staleness(batch.kept, step - 1, self.eta, "runtime.kind async")

@@ -25,11 +25,13 @@ from polyrl.config import weight_sync_of
 from polyrl.parallel.group import broadcast_object, current
 from polyrl.parallel.sync_group import SyncGroup
 from polyrl.parallel.weight_sync import WeightSender
+from polyrl.runtime.placement import PlacementError, check_ray_address
 from polyrl.runtime.staleness import check_staleness, staleness_metrics
 from polyrl.runtime.stepper import producer_state, snapshot
 from polyrl.runtime.workers import WorkerPool
 from polyrl.train.step import learn_batch, produce_batch, step_metrics
 from polyrl.types import Trajectory
+from polyrl.waits import WaitTimeoutError
 
 # Ray puts its sockets under the temp dir (session_<timestamp>_<pid>/sockets/plasma_store, about 65 characters),
 # and a Unix socket path may not exceed 107 bytes: a deep run directory would make ray.init fail.
@@ -47,6 +49,7 @@ def start_ray(rt: Any, run_dir: Path, log_to_driver: bool = False) -> bool:
 
     if ray.is_initialized():
         return False
+    check_ray_address(rt.ray_address)  # ray.init retries an address that does not answer for minutes
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(address=rt.ray_address, num_cpus=None if rt.ray_address else rt.ray_num_cpus,
              include_dashboard=False, log_to_driver=log_to_driver,
@@ -61,7 +64,7 @@ class RayStepper:
         try:
             import ray
         except ImportError:
-            raise RuntimeError("runtime.kind ray: ray is not installed; pip install 'polyrl[ray]'") from None
+            raise PlacementError("runtime.kind ray: ray is not installed; pip install 'polyrl[ray]'") from None
         self.ray, self.run, rt = ray, run, run.config.runtime
         self.main = current().is_main
         self.eta = rt.eta
@@ -99,7 +102,8 @@ class RayStepper:
                 batch = produce_batch(self.producer_run, step, version, fn)
                 self.out.put(("batch", batch, producer_state(self.producer_run)))
         except BaseException as exc:
-            self.out.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            ends_run = exc if isinstance(exc, WaitTimeoutError) else None  # already one line for the user
+            self.out.put(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), ends_run))
 
     def _publish(self, version: int) -> dict[str, float]:
         """Make ``version`` (the weights now) the workers' next: every rank takes part in a collective sync."""
@@ -125,6 +129,8 @@ class RayStepper:
                 if not self.thread.is_alive():
                     raise RuntimeError("runtime.kind ray: the producer thread ended without a batch") from None
         if msg[0] == "error":
+            if msg[3] is not None:
+                raise msg[3]
             raise RuntimeError(f"runtime.kind ray: producing a batch failed: {msg[1]}\n{msg[2]}")
         return msg[1], msg[2]
 

@@ -15,15 +15,16 @@ collective until its timeout); the driver then starts them all again from the ne
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from polyrl.config import engines_of
-from polyrl.parallel.group import RankFailedError
+from polyrl.parallel.group import RankFailedError, collective_timeout
 from polyrl.parallel.launch import free_port
+from polyrl.runtime.placement import PlacementError, capacity_problem, ray_actors
 from polyrl.runtime.ray_ import start_ray
-from polyrl.runtime.workers import capacity_problem
+from polyrl.waits import WaitTimeoutError, ray_get
 
 PLACEMENT_TIMEOUT_S = 120.0
 """How long the driver waits for the cluster to offer every rank's bundle before it says so and stops."""
@@ -45,7 +46,12 @@ class LearnerRank:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",  # Ray sets the GPU seen
                           MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         torch.set_num_threads(threads)
-        entry(*args)
+        try:
+            entry(*args)
+        except RuntimeError as exc:  # gloo's own message names neither the wait nor the setting
+            if timeout := collective_timeout(exc, rank):
+                raise timeout from None
+            raise
 
 
 def train_on_ray_ranks(config: Any, run_dir: Path, entry: Callable[[Any, Path, bool], None], resume: bool) -> None:
@@ -76,22 +82,23 @@ def _attempt(ray: Any, config: Any, run_dir: Path, entry: Callable, resume: bool
 
     world, gpu = config.learner.world_size, config.train.device == "cuda"
     # Disaggregated rollout workers (one CPU each, started by rank 0) need room beside the ranks' bundles.
-    workers = config.runtime.num_workers if engines_of(config) == "disaggregated" else 0
+    workers = ray_actors(config)[1]
     if problem := capacity_problem(ray.cluster_resources(), world, workers, gpu):
-        raise RankFailedError(problem)
+        raise PlacementError(problem)
     cpus = max(1, (int(ray.available_resources().get("CPU", world)) - workers) // world)
     bundle = {"CPU": cpus, **({"GPU": 1} if gpu else {})}
     group = placement_group([bundle] * world, strategy="PACK")
     try:
         ready, _ = ray.wait([group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
-            raise RankFailedError(f"learner.world_size: the Ray cluster could not place {world} ranks of {bundle} "
-                                  f"within {PLACEMENT_TIMEOUT_S:.0f} s (resources: {ray.cluster_resources()})")
+            raise WaitTimeoutError(f"the Ray cluster to place {world} learner ranks of {bundle}", PLACEMENT_TIMEOUT_S,
+                                   "learner.world_size", f"free: {ray.available_resources()} of "
+                                   f"{ray.cluster_resources()}")
         actor = ray.remote(LearnerRank)
         ranks = [actor.options(num_cpus=cpus, num_gpus=1 if gpu else 0, max_restarts=0,
                                scheduling_strategy=PlacementGroupSchedulingStrategy(group, i)).remote()
                  for i in range(world)]
-        master = ray.get(ranks[0].rendezvous.remote())
+        master = ray_get(ray, ranks[0].rendezvous.remote(), PLACEMENT_TIMEOUT_S, "learner rank 0's actor to start")
         pending = {r.run.remote(i, world, master, cpus, entry, (config, run_dir, resume)): i
                    for i, r in enumerate(ranks)}
         lost = None
@@ -112,5 +119,8 @@ def _attempt(ray: Any, config: Any, run_dir: Path, entry: Callable, resume: bool
 
 
 def _last_line(exc: BaseException) -> str:
+    """The rank's own one line: the last of Ray's report, without the exception's qualified class name."""
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return lines[-1].split("RankFailedError: ", 1)[-1] if lines else type(exc).__name__
+    if not lines:
+        return type(exc).__name__
+    return re.sub(r"^([\w.]+\.)?(RankFailedError|WaitTimeoutError): ", "", lines[-1].strip())

@@ -27,26 +27,17 @@ from polyrl.parallel.group import SHARD_SEED_STRIDE, contiguous_shards
 from polyrl.parallel.launch import free_port
 from polyrl.parallel.sync_group import SyncGroup, join_sync_group
 from polyrl.parallel.weight_sync import WeightReceiver, WeightSender
+from polyrl.runtime.placement import PlacementError, capacity_problem
 from polyrl.runtime.stepper import snapshot
 from polyrl.train import faults
 from polyrl.train.step import build_run, local_rollout
 from polyrl.types import Trajectory
+from polyrl.waits import is_timeout, ray_get
+
+__all__ = ["START_TIMEOUT_S", "RolloutWorker", "WorkerPool", "capacity_problem"]
 
 START_TIMEOUT_S = 300.0
 """How long rank 0 waits for its rollout workers to be placed and built before it says so and stops."""
-
-
-def capacity_problem(cluster: dict[str, float], ranks: int, workers: int, gpu: bool) -> str | None:
-    """Why the cluster cannot hold ``ranks`` learner rank actors and ``workers`` rollout workers (one CPU each at
-    least; a GPU each on cuda), or None. Checked before anything is placed: Ray would otherwise wait forever."""
-    need = {"CPU": ranks + workers, **({"GPU": ranks + workers} if gpu else {})}
-    for resource, count in need.items():
-        have = int(cluster.get(resource, 0))
-        if count > have:
-            parts = ([f"{ranks} learner ranks"] if ranks else []) + ([f"{workers} rollout workers"] if workers else [])
-            return (f"runtime: {' and '.join(parts)} need {count} {resource}s (one each at least), the Ray cluster "
-                    f"has {have}: lower learner.world_size or runtime.num_workers, or add nodes")
-    return None
 
 
 class RolloutWorker:
@@ -102,7 +93,7 @@ class WorkerPool:
         gpu = run.config.train.device == "cuda"
         if run.config.learner.world_size == 1 and (problem := capacity_problem(
                 ray.cluster_resources(), 0, run.config.runtime.num_workers, gpu)):
-            raise RuntimeError(problem)
+            raise PlacementError(problem)
         self._actor = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0)(RolloutWorker)
         self.incarnations = [0] * run.config.runtime.num_workers
         self.workers = [self._new_worker(k) for k in range(len(self.incarnations))]
@@ -114,12 +105,10 @@ class WorkerPool:
 
     def wait_ready(self) -> None:
         """Every worker built; a worker Ray cannot place within START_TIMEOUT_S ends the run with one line."""
-        try:
-            self.ray.get([w.ready.remote() for w in self.workers], timeout=START_TIMEOUT_S)
-        except self.ray.exceptions.GetTimeoutError:
-            raise RuntimeError(f"runtime.num_workers: {len(self.workers)} rollout workers (1 CPU each) were not "
-                               f"placed and built within {START_TIMEOUT_S:.0f} s; free in the Ray cluster: "
-                               f"{self.ray.available_resources()}") from None
+        refs = [w.ready.remote() for w in self.workers]
+        what = f"{len(self.workers)} rollout workers (1 CPU each) to be placed and built"
+        ray_get(self.ray, refs, START_TIMEOUT_S, what, "runtime.num_workers",
+                lambda: f"free in the Ray cluster: {self.ray.available_resources()}")
 
     def _new_worker(self, k: int):
         return self._actor.remote(self.run.config, self.run.run_dir, k, self.incarnations[k])
@@ -154,10 +143,12 @@ class WorkerPool:
                   for k, (lo, hi) in enumerate(contiguous_shards(len(plain), len(self.workers))) if hi > lo}
         pending = {k: self._submit(k, step, *shards[k][:2], version, shards[k][2], weights) for k in shards}
         results: dict[int, list[Trajectory]] = {}
+        timeout = self.run.config.learner.timeout_s
         while pending:
             k, (ref, incarnation) = next(iter(pending.items()))
             try:
-                results[k] = ray.get(ref)
+                results[k] = ray_get(ray, ref, timeout, f"rollout worker {k}'s share of step {step}",
+                                     "learner.timeout_s", "the worker hangs")
             except ray.exceptions.RayActorError:
                 if self.incarnations[k] == incarnation:  # not yet replaced by a failed sync
                     self._replace([k])
@@ -178,7 +169,7 @@ class WorkerPool:
         self.wait_ready()
         joins = [w.join_sync.remote(host, port, len(self.workers), backend, timeout) for w in self.workers]
         self.group = join_sync_group("learner", 0, len(self.workers), host, port, backend, timeout)
-        self.ray.get(joins)
+        ray_get(self.ray, joins, timeout, "the rollout workers to join the weight-sync group", "learner.timeout_s")
         sender.group, self.group_stale = self.group, False
 
     def sync(self, sender: WeightSender, version: int) -> dict[str, float]:
@@ -190,12 +181,15 @@ class WorkerPool:
             refs = [w.receive_weights.remote() for w in self.workers]
             try:
                 metrics = sender.send(version)
-                ray.get(refs)
+                ray_get(ray, refs, self.run.config.learner.timeout_s, "the rollout workers to load the weights",
+                        "learner.timeout_s")
             except Exception as exc:
                 # Survivors may wait mid-broadcast for bytes that never come: every worker is replaced, and
                 # loads the weights of ``version`` whole (the caller still holds weights_lock).
-                print(f"weight sync of version {version} failed ({type(exc).__name__}: {exc}); replacing every "
-                      f"rollout worker", file=sys.stderr, flush=True)
+                why = (f"waited {self.run.config.learner.timeout_s:g} s (learner.timeout_s) for the rollout workers"
+                       if is_timeout(exc) else f"{type(exc).__name__}: {exc}")
+                print(f"weight sync of version {version} failed ({why}); replacing every rollout worker",
+                      file=sys.stderr, flush=True)
                 self.version = version
                 self._replace(list(range(len(self.workers))))
                 return {"sync/engines_failed": 1.0}

@@ -182,6 +182,7 @@ def _rank_train(config: Config, run_dir: Path, resume: bool) -> None:
 
 
 def _join(config: Config) -> None:
+    faults.point("join", 0)  # fail-fast tests: a rank that hangs before it joins
     ranks = join_group(config.learner.backend, config.learner.timeout_s, resolve_device(config.train.device))
     if ranks.world_size != config.learner.world_size:
         raise RankFailedError(f"learner.world_size is {config.learner.world_size}, but the launcher started "
