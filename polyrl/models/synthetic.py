@@ -5,7 +5,9 @@ downloaded checkpoint, so the loader, the learner and both decode paths can be e
 Every model uses the SmolLM2 tokenizer (its 49152 tokens, ChatML template and special ids), so the vocabulary,
 and with it the embedding's share of the parameters, is SmolLM2's rather than the family's own. ``tiny`` is a few
 million parameters (tests run in seconds); ``1b`` has the widths and head layout of a real model of the family
-(named per architecture below) with the layer count trimmed to about a billion parameters.
+(named per architecture below) with the layer count trimmed to about a billion parameters. Qwen3 also has
+``0.6b`` and ``1.7b``: Qwen3-0.6B and Qwen3-1.7B whole (all 28 layers), which the GPU check builds with Qwen3's
+own vocabulary (``make_config(..., vocab_size=151936)``).
 """
 
 from __future__ import annotations
@@ -67,7 +69,11 @@ ARCHITECTURES: dict[str, Arch] = {
         {"tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=32),
          "1b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=18, num_attention_heads=16,
-                    num_key_value_heads=8, head_dim=128)},
+                    num_key_value_heads=8, head_dim=128),
+         "0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128),
+         "1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128)},
     ),
     "gemma": Arch(
         "GemmaConfig", "Gemma-2B (8 of its 18 layers)",
@@ -99,9 +105,9 @@ def make_config(arch: str, size: str = "tiny", vocab_size: int = 49152, bos: int
 
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown architecture '{arch}' (known: {', '.join(ARCHITECTURES)})")
-    if size not in SIZES:
-        raise ValueError(f"unknown size '{size}' (known: {', '.join(SIZES)})")
     spec = ARCHITECTURES[arch]
+    if size not in spec.sizes:  # every family has SIZES; qwen3 also 0.6b and 1.7b
+        raise ValueError(f"unknown size '{size}' for {arch} (known: {', '.join(spec.sizes)})")
     kwargs = {**spec.common, **spec.sizes[size]}
     return getattr(transformers, spec.config_class)(
         vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, **kwargs

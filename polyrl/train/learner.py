@@ -75,11 +75,14 @@ class Learner:
         sharding: LearnerConfig | None = None,
         replay_is_cap: float = 1.0,
         shaping_gamma: float | None = None,
+        fsdp: bool | None = None,
     ) -> None:
         """``total_steps`` is the run's length, over which a decaying learning-rate schedule reaches 0;
         ``teachers`` maps a task name to its frozen distillation teacher (``algo.distill_coef`` weighs it).
         In a process group of several ranks (``parallel/group.py``) the policy and the KL reference are
-        sharded with FSDP2 as ``sharding`` says, and each update trains this rank's share of the batch."""
+        sharded with FSDP2 as ``sharding`` says, and each update trains this rank's share of the batch.
+        ``fsdp=True`` shards under a process group of one rank too (the GPU check runs FSDP2 on one GPU);
+        None shards when there are several ranks."""
         self.model = model
         self.teachers = teachers or {}
         self.is_cap = is_cap  # truncated IS cap for rows sampled by another policy (info["cross_policy"])
@@ -105,7 +108,7 @@ class Learner:
             self.value_head = ValueHead(model.get_output_embeddings().in_features, algo.value_width).to(self.device)
         self.policy_pass = PolicyPass(model, temperature, bf16, self.value_head)
         self.ref_pass = PolicyPass(self.ref_model, temperature, bf16) if self.ref_model is not None else None
-        if self.ranks.distributed:
+        if self.ranks.distributed if fsdp is None else fsdp:
             sharding = sharding or LearnerConfig()
             for module in (self.policy_pass, self.ref_pass):
                 if module is not None:
