@@ -54,9 +54,12 @@ def train(
     if dry_run:
         _dry_run(cfg, config)
         return
+    from polyrl.placement import PlacementError
+    from polyrl.waits import WaitTimeoutError
+
     try:
         check_machine(cfg)  # before any model loads: what this machine cannot run ends here, in one line
-    except ValueError as exc:
+    except (ValueError, PlacementError, WaitTimeoutError) as exc:
         _fail(f"{config}: {exc}")
     run_dir = output or Path("runs") / cfg.name
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
@@ -69,9 +72,7 @@ def train(
 
     from polyrl.observe.metrics import SinkError
     from polyrl.parallel.group import RankFailedError
-    from polyrl.runtime.placement import PlacementError
     from polyrl.train.checkpoint import CheckpointError
-    from polyrl.waits import WaitTimeoutError
 
     # A run that cannot go on for a reason outside the code says why in one line; anything else is a bug and
     # keeps its traceback.

@@ -18,17 +18,15 @@ from polyrl.envs.base import check_task
 
 def check_extras(config: Config) -> None:
     """The optional packages the config asks for are installed (found without importing them), so a missing
-    one fails here, with its install command, not after the model has loaded. TextArena and verifiers are
-    checked with their tasks' names (``envs/``); the Agents SDK where an agent's module uses the adapter.
+    one fails here, with its install command, not after the model has loaded. MLflow and W&B are checked with
+    the logging section (``config/sections.py``), TextArena and verifiers with their tasks' names (``envs/``),
+    the Agents SDK where an agent's module uses the adapter (``check_agent_sdk``).
 
     vLLM is not checked here: configs of vLLM runs are also loaded where they are planned, on machines without
     vLLM (``benchmarks/gpu_check.py`` plans GPU and CPU runs alike); ``polyrl train`` checks it before the
     model loads (``check_machine``), and ``make_engine`` for runs started from Python."""
-    for key, extra, asked in (("runtime.kind", "ray", config.runtime.kind == "ray"),
-                              ("logging.mlflow", "mlflow", config.logging.mlflow),
-                              ("logging.wandb", "wandb", config.logging.wandb)):
-        if asked and find_spec(extra) is None:
-            raise ValueError(f"{key}: {extra} is not installed; pip install 'polyrl[{extra}]'")
+    if config.runtime.kind == "ray" and find_spec("ray") is None:
+        raise ValueError("runtime.kind: ray is not installed; pip install 'polyrl[ray]'")
 
 
 def check_agent_sdk(config: Config) -> None:
@@ -48,9 +46,10 @@ def check_agent_sdk(config: Config) -> None:
 
 def check_machine(config: Config) -> None:
     """What a run needs of this machine, checked by ``polyrl train`` before any model loads (not by
-    ``load_config``: a config may be loaded to plan a run elsewhere). vLLM for ``engine.kind: vllm``, and room
-    on a local Ray for the learner rank actors and rollout workers asked for; a one-line ValueError otherwise."""
-    from polyrl.runtime.placement import local_placement_problem
+    ``load_config``: a config may be loaded to plan a run elsewhere). vLLM for ``engine.kind: vllm``, room on a
+    local Ray for the learner rank actors and rollout workers asked for, a Ray cluster's address answering; a
+    one-line ValueError (or the placement's own error) otherwise."""
+    from polyrl.placement import check_ray_address, local_placement_problem
 
     if config.engine.kind == "vllm" and find_spec("vllm") is None:
         from polyrl.engines import VLLM_INSTALL_HINT
@@ -58,6 +57,8 @@ def check_machine(config: Config) -> None:
         raise ValueError(VLLM_INSTALL_HINT)
     if problem := local_placement_problem(config):
         raise ValueError(problem)
+    if config.runtime.kind == "ray":
+        check_ray_address(config.runtime.ray_address)
 
 
 def check_names(config: Config) -> None:

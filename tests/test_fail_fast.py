@@ -23,7 +23,7 @@ from polyrl.config import ConfigError
 from polyrl.config_check import check_machine, load_config
 from polyrl.parallel.group import RankFailedError, join_group
 from polyrl.parallel.launch import free_port
-from polyrl.runtime.placement import PlacementError, check_ray_address, local_placement_problem
+from polyrl.placement import PlacementError, check_ray_address, local_placement_problem
 from polyrl.waits import WaitTimeoutError
 from tests.conftest import SMOKE
 
@@ -32,10 +32,14 @@ RAY_RANKS = ["runtime.kind=ray", "runtime.engines=disaggregated", "runtime.num_w
 
 def _without(monkeypatch, *modules: str) -> None:
     """Make ``modules`` look uninstalled to the config checks."""
+    import importlib.util
+
     import polyrl.config_check as config_check
 
-    real = config_check.find_spec
-    monkeypatch.setattr(config_check, "find_spec", lambda name: None if name in modules else real(name))
+    real = importlib.util.find_spec
+    fake = lambda name, *args: None if name in modules else real(name, *args)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", fake)  # the logging section's own check
+    monkeypatch.setattr(config_check, "find_spec", fake)
 
 
 @pytest.mark.parametrize(("overrides", "module", "line"), [

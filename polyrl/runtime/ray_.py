@@ -25,7 +25,7 @@ from polyrl.config import weight_sync_of
 from polyrl.parallel.group import broadcast_object, current
 from polyrl.parallel.sync_group import SyncGroup
 from polyrl.parallel.weight_sync import WeightSender
-from polyrl.runtime.placement import PlacementError, check_ray_address
+from polyrl.placement import PlacementError, check_ray_address
 from polyrl.runtime.staleness import check_staleness, staleness_metrics
 from polyrl.runtime.stepper import producer_state, snapshot
 from polyrl.runtime.workers import WorkerPool

@@ -22,7 +22,7 @@ from typing import Any
 
 from polyrl.parallel.group import RankFailedError, collective_timeout
 from polyrl.parallel.launch import free_port
-from polyrl.runtime.placement import PlacementError, capacity_problem, ray_actors
+from polyrl.placement import PlacementError, capacity_problem, ray_actors
 from polyrl.runtime.ray_ import start_ray
 from polyrl.waits import WaitTimeoutError, ray_get
 
