@@ -1,119 +1,78 @@
-"""benchmarks/gpu_check.py on the CPU: its parts' configs, reading their results, and ``--cpu-smoke`` end to end
-(two parts in worker processes, about 50 s on 2 cores), a failing part and a part past its timeout."""
+"""benchmarks/gpu_check.py on the CPU: its plan, ``--cpu-smoke`` end to end (every part in one worker process,
+about 20 s on 2 cores, 10 s more with trl installed), a failing part and a part past its timeout."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 
 from conftest import ROOT
 
-from polyrl.config_check import load_config
-
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
-
-def _parts(**kwargs) -> dict[str, gpu_check.Part]:
-    return {p.name: p for p in gpu_check.plan(**kwargs)}
-
-
-def test_gpu_plan_one_gpu_without_vllm(tmp_path):
-    parts = _parts(smoke=False, gpus=1, vllm=False, workdir=tmp_path)
+def test_the_gpu_plan_is_qwen3_shaped_and_fits_eight_minutes():
+    parts = {p.name: p for p in gpu_check.plan(smoke=False, trl_skip="trl not installed")}
     assert list(parts) == list(gpu_check.PARTS)
-    hf = load_config(None, data=parts["quickstart_hf"].config)
-    assert hf.train.device == "cuda" and hf.train.steps == 20 and hf.engine.kind == "hf"
-    assert hf.tasks[0].eval_size == 100 and hf.model.name == "smollm2-135m-instruct"
-    assert parts["quickstart_vllm"].skip == "vllm: not installed, skipped"
-    assert parts["world_size_2"].skip == "learner.world_size=2: needs 2+ GPUs, this machine has 1"
-    big = parts["model_1b"]
-    cfg = load_config(None, data=big.config)
-    assert big.make_model == {"arch": "llama3", "size": "1b", "path": str(tmp_path / "models" / "llama3-1b")}
-    assert cfg.model.name == big.make_model["path"] and big.mode == "steps"
-    assert not cfg.eval.before and not cfg.eval.after and cfg.algorithm.entropy_coef > 0
-    assert sum(p.timeout_s for p in parts.values() if p.skip is None) <= gpu_check.TOTAL_BUDGET_S
+    assert parts["update_0.6b"].kwargs["size"] == "0.6b" and parts["update_1.7b"].kwargs["size"] == "1.7b"
+    assert parts["trl"].skip == "trl not installed"
+    # TRL and polyrl's rollout see the same rows (prompts x group) and lengths.
+    for key in ("size", "prompts", "group_size", "prompt_len", "new_tokens", "micro_batch"):
+        assert parts["trl"].kwargs[key] == parts["rollout_sync"].kwargs[key], key
+    assert all(p.skip is None for name, p in parts.items() if name != "trl")
+    assert gpu_check.TOTAL_BUDGET_S <= 8 * 60
 
 
-def test_gpu_plan_two_gpus_with_vllm(tmp_path):
-    parts = _parts(smoke=False, gpus=2, vllm=True, workdir=tmp_path)
-    assert all(p.skip is None for p in parts.values())
-    vllm = load_config(None, data=parts["quickstart_vllm"].config)
-    assert vllm.engine.kind == "vllm" and vllm.train.device == "cuda"
-    ranks = load_config(None, data=parts["world_size_2"].config)
-    assert ranks.learner.world_size == 2 and ranks.train.device == "cuda"
-
-
-def test_smoke_plan_runs_everything_on_the_cpu(tmp_path):
-    parts = _parts(smoke=True, gpus=0, vllm=False, workdir=tmp_path)
-    assert parts["world_size_2"].skip is None  # two gloo ranks
-    for part in parts.values():
-        cfg = load_config(None, data=part.config)
-        assert cfg.train.device == "cpu" and cfg.train.steps == 2
-    assert parts["model_1b"].make_model["size"] == "tiny"
-
-
-def test_summarize_reads_medians_and_accuracy(tmp_path):
-    rows = [
-        {"step": 1, "step_time_s": 9.0, "rollout/tokens_per_s": 100.0, "sync/time_s": 0.5, "zero_gradient": 0.0,
-         "skipped_updates": 0.0},
-        {"step": 2, "step_time_s": 2.0, "rollout/tokens_per_s": 300.0, "sync/time_s": 0.1, "zero_gradient": 1.0,
-         "skipped_updates": 0.0},
-        {"step": 3, "step_time_s": 3.0, "rollout/tokens_per_s": 200.0, "sync/time_s": 0.2, "zero_gradient": 0.0,
-         "skipped_updates": 0.0},
-    ]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "summary.json").write_text(json.dumps(
-        {"eval_before": {"chain_sum": 0.3}, "eval_after": {"chain_sum": 0.5}, "train_time_s": 14.0}))
-    out = gpu_check.summarize(tmp_path)
-    assert out["steps"] == 3 and out["step_time_s"] == 3.0 and out["first_step_time_s"] == 9.0
-    assert out["rollout_tokens_per_s"] == 200.0 and out["sync_time_s"] == 0.2 and out["updates_run"] == 2
-    assert out["accuracy_before"] == {"chain_sum": 0.3} and out["accuracy_after"] == {"chain_sum": 0.5}
-    assert gpu_check.summarize(tmp_path / "missing") == {}
+def test_trl_missing_names_what_is_absent(monkeypatch):
+    present = {"trl", "datasets"}
+    monkeypatch.setattr(gpu_check, "find_spec", lambda name: object() if name in present else None)
+    assert gpu_check.trl_missing() == "trl needs pyarrow, pandas, not installed"
+    present.clear()
+    assert gpu_check.trl_missing() == "trl not installed"
 
 
 def test_one_line_error_names_the_exception():
     log = "loading\nTraceback (most recent call last):\n  File 'x.py'\ntorch.OutOfMemoryError: CUDA out of memory.\n"
     assert gpu_check.one_line_error(log, 1) == "torch.OutOfMemoryError: CUDA out of memory."
-    assert gpu_check.one_line_error("error: learner.world_size: 2 ranks\n", 2) == "error: learner.world_size: 2 ranks"
     assert gpu_check.one_line_error("Segmentation fault\n", -11) == "exit code -11: Segmentation fault"
     assert gpu_check.one_line_error("", 1) == "exit code 1: no output"
 
 
-def test_a_failing_part_records_one_line(tmp_path):
-    part = gpu_check.Part("broken", {"train": {"device": "cpu"}})  # no tasks
-    record = gpu_check.run_part(part, tmp_path, timeout_s=120)
-    assert record["status"] == "failed"
-    assert record["error"] == "ConfigError: config: tasks: required key is missing"
+def test_a_failing_part_records_one_line_and_the_next_part_runs(tmp_path):
+    broken = gpu_check.Part("broken", "gpu_check_parts.update", {**gpu_check.SHAPES["update_0.6b"][1], "size": "9b"})
+    fine = gpu_check.Part("fine", "gpu_check_parts.update", dict(gpu_check.SHAPES["update_0.6b"][1]))
+    records = gpu_check.run_parts([broken, fine], tmp_path, smoke=True, budget_s=300)
+    assert records["broken"]["status"] == "failed"
+    assert records["broken"]["error"] == "ValueError: unknown size '9b' for qwen3 (known: tiny, 1b, 0.6b, 1.7b)"
+    assert records["fine"]["status"] == "ok" and records["fine"]["tokens_per_s"] > 0
 
 
 def test_a_part_past_its_timeout_is_killed(tmp_path):
-    part = gpu_check.Part("slow", gpu_check.quickstart_config(smoke=True, steps=2, eval_size=8))
-    record = gpu_check.run_part(part, tmp_path, timeout_s=2)
-    assert record == {**record, "status": "failed", "error": "timed out after 2 s"}
-    assert record["wall_s"] < 30
+    slow = gpu_check.Part("slow", "gpu_check_parts.parity", dict(gpu_check.SHAPES["parity"][1]), timeout_s=1)
+    record = gpu_check.run_parts([slow], tmp_path, smoke=True, budget_s=300)["slow"]
+    assert record["status"] == "failed" and record["error"] == "timed out after 1 s" and record["wall_s"] < 15
 
 
-def test_cpu_smoke_end_to_end(tmp_path, capsys):
-    parts = ["quickstart_hf", "model_1b"] + ([] if HAS_VLLM else ["quickstart_vllm"])
+def test_cpu_smoke_runs_every_part(tmp_path, capsys):
     out = tmp_path / "gpu_check.json"
-    rc = gpu_check.main(["--cpu-smoke", "--parts", *parts, "--workdir", str(tmp_path), "--out", str(out)])
+    rc = gpu_check.main(["--cpu-smoke", "--workdir", str(tmp_path), "--out", str(out)])
     results = json.loads(out.read_text())
     assert rc == 0, results
-    env = results["environment"]
-    assert env["mode"] == "cpu-smoke" and env["torch"] and env["date"]
-    hf = results["parts"]["quickstart_hf"]
-    assert hf["status"] == "ok" and hf["steps"] == 2 and hf["updates_run"] == 2
-    for key in ("step_time_s", "rollout_tokens_per_s", "sync_time_s", "peak_host_rss_gib"):
-        assert hf[key] > 0, key
-    assert set(hf["accuracy_before"]) == set(hf["accuracy_after"]) == {"chain_sum"}
-    big = results["parts"]["model_1b"]
-    assert big["status"] == "ok" and big["updates_run"] == 2 and "make_model_s" in big
-    assert (tmp_path / "models" / "llama3-tiny" / "config.json").exists()
-    if not HAS_VLLM:
-        assert results["parts"]["quickstart_vllm"] == {"status": "skipped", "reason": "vllm: not installed, skipped",
-                                                       "notes": []}
-    assert "world_size_2" not in results["parts"]
-    assert "quickstart_hf" in capsys.readouterr().out
+    machine = results["machine"]
+    assert machine["mode"] == "cpu-smoke" and machine["torch"] and machine["date"] and machine["gpu"] is None
+    parts = results["parts"]
+    assert list(parts) == list(gpu_check.PARTS)
+    for name, record in parts.items():
+        if name == "trl" and gpu_check.trl_missing():
+            assert record == {"status": "skipped", "reason": gpu_check.trl_missing()}
+        else:
+            assert record["status"] == "ok" and record["summary"] and record["peak_host_rss_gib"] > 0, name
+    assert parts["parity"]["compared"] == "cpu vs cpu" and parts["parity"]["gradients_rel_diff"] == 0.0
+    assert parts["update_1.7b"]["tokens_per_s"] > 0 and parts["update_1.7b"]["mfu"] is None  # no peak for a CPU
+    assert parts["rollout_sync"]["rollout_tokens_per_s"] > 0 and parts["rollout_sync"]["head_copy_equal"]
+    assert parts["fsdp_checkpoint"]["checks"] and all(parts["fsdp_checkpoint"]["checks"].values())
+    if parts["trl"]["status"] == "ok":
+        assert parts["trl"]["trl_over_polyrl"] > 0
+    printed = capsys.readouterr().out
+    assert all(f"\n{name} " in printed for name in gpu_check.PARTS)

@@ -1,6 +1,6 @@
 """vLLM's sleep mode for a colocated engine (``engine.vllm.sleep_mode``): the order of sleep, wake-up and
 weight reload around each update, checked against a recording stand-in for vLLM's ``LLM`` (vLLM itself sleeps
-on CUDA only; benchmarks/gpu_check.py runs it on a GPU)."""
+on CUDA only, and has not run on a GPU here)."""
 
 import pytest
 import torch
