@@ -162,5 +162,6 @@ def test_a_cluster_too_small_for_the_ranks_and_workers_is_one_line_not_a_hang(tm
                           "runtime.ray_num_cpus=2"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 2, run.stderr[-2000:]
     lines = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert lines == ["error: runtime: 2 learner ranks and 1 rollout workers need 3 CPUs (one each at least), the "
-                     "Ray cluster has 2: lower learner.world_size or runtime.num_workers, or add nodes"]
+    assert lines == [f"error: {SMOKE}: runtime: 2 learner ranks and 1 rollout workers need 3 CPUs (one each at "
+                     "least), a local Ray on this machine has 2: lower learner.world_size or runtime.num_workers, or "
+                     "add nodes"]  # refused before Ray starts (the same check runs on a cluster once connected)
