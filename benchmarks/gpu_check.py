@@ -29,8 +29,8 @@ reachable, writes the wheels of the small pure-Python packages the check imports
 datasets) and SmolLM2's tokenizer into gpu-bundle/ (git-ignored, 8.3 MiB). With the working tree and
 gpu-bundle/ on the GPU machine:
 
-    pip install -q --no-index --no-deps --target /tmp/site gpu-bundle/wheels/*.whl
-    POLYRL_CACHE=gpu-bundle/polyrl-cache PYTHONPATH=/tmp/site:. python benchmarks/gpu_check.py
+    pip install -q --no-index --no-deps --target /tmp/gpu-check/site-packages gpu-bundle/wheels/*.whl
+    POLYRL_CACHE=gpu-bundle/polyrl-cache PYTHONPATH=/tmp/gpu-check/site-packages:. python benchmarks/gpu_check.py
 
 ``--cpu-smoke`` runs every part on the CPU with the tiny model in seconds (parity becomes the CPU against
 itself; rollout_compiled runs the static cache eager) and writes benchmarks/results/gpu_check_cpu.json;

@@ -6,8 +6,11 @@
 # go into gpu-bundle/ (git-ignored); the bundle travels with the working tree, and the two must stay under 60 MiB.
 #
 #   bash scripts/gpu_bundle.sh                 # here, with polyrl's environment active; then on the GPU machine:
-#   pip install -q --no-index --no-deps --target /tmp/site gpu-bundle/wheels/*.whl
-#   POLYRL_CACHE=gpu-bundle/polyrl-cache PYTHONPATH=/tmp/site:. python benchmarks/gpu_check.py
+#   pip install -q --no-index --no-deps --target /tmp/gpu-check/site-packages gpu-bundle/wheels/*.whl
+#   POLYRL_CACHE=gpu-bundle/polyrl-cache PYTHONPATH=/tmp/gpu-check/site-packages:. python benchmarks/gpu_check.py
+#
+# The folder's name ends in site-packages because datasets hashes its tables with dill, which pickles the classes
+# of modules found outside such a folder by value, and fails on some of them.
 #
 # datasets (so TRL) also needs pyarrow and pandas, left out: their wheels are 55 and 12 MB, over the limit. On an
 # image without them the check's TRL part says so and the rest runs. --with-arrow adds them, for a bundle that
