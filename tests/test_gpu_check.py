@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+import pytest
 from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -39,6 +40,7 @@ def test_one_line_error_names_the_exception():
     assert gpu_check.one_line_error("", 1) == "exit code 1: no output"
 
 
+@pytest.mark.slow
 def test_a_failing_part_records_one_line_and_the_next_part_runs(tmp_path):
     broken = gpu_check.Part("broken", "gpu_check_parts.update", {**gpu_check.SHAPES["update_0.6b"][1], "size": "9b"})
     fine = gpu_check.Part("fine", "gpu_check_parts.update", dict(gpu_check.SHAPES["update_0.6b"][1]))
@@ -48,12 +50,14 @@ def test_a_failing_part_records_one_line_and_the_next_part_runs(tmp_path):
     assert records["fine"]["status"] == "ok" and records["fine"]["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_a_part_past_its_timeout_is_killed(tmp_path):
     slow = gpu_check.Part("slow", "gpu_check_parts.parity", dict(gpu_check.SHAPES["parity"][1]), timeout_s=1)
     record = gpu_check.run_parts([slow], tmp_path, smoke=True, budget_s=300)["slow"]
     assert record["status"] == "failed" and record["error"] == "timed out after 1 s" and record["wall_s"] < 15
 
 
+@pytest.mark.slow
 def test_cpu_smoke_runs_every_part(tmp_path, capsys):
     out = tmp_path / "gpu_check.json"
     rc = gpu_check.main(["--cpu-smoke", "--workdir", str(tmp_path), "--out", str(out)])
