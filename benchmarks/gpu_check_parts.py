@@ -289,6 +289,8 @@ def fsdp_checkpoint(setup: Setup, size: str, groups: int, group_size: int, promp
     update, the whole weights gathered into an engine copy (checked equal), a sharded checkpoint saved and loaded
     into a second learner built from other weights (weights, AdamW moments and trainer state checked equal),
     and the same next update on both (entropy and gradient norm compared)."""
+    from torch.distributed.tensor import DTensor
+
     from polyrl.parallel.checkpoint import load_sharded, save_sharded
     from polyrl.parallel.fsdp import gather_into
     from polyrl.parallel.group import join_group, leave_group
@@ -302,6 +304,7 @@ def fsdp_checkpoint(setup: Setup, size: str, groups: int, group_size: int, promp
         model = build_model(size, setup.device)
         engine_model = copy.deepcopy(model)  # as build_run copies it for the engine before sharding
         learner = make_learner(model, setup.bf16, micro_batch, lr=1e-4, fsdp=True)
+        sharded = all(isinstance(p, DTensor) for p in learner.params)
         _, update_s = timed(lambda: learner.update(batch), setup.device)
         _, gather_s = timed(lambda: gather_into(model, engine_model), setup.device)
         full = {n: full_tensor(p) for n, p in model.named_parameters()}
@@ -323,8 +326,9 @@ def fsdp_checkpoint(setup: Setup, size: str, groups: int, group_size: int, promp
         next_diff = max(abs(after[0][k] - after[1][k]) / max(abs(after[0][k]), 1e-12) for k in ("entropy", "grad_norm"))
     finally:
         leave_group()
-    checks = {"gathered engine copy equal": gathered_ok, "loaded weights equal": weights_ok,
-              "loaded AdamW moments equal": moments_ok, "trainer state equal": state == extra,
+    checks = {"parameters sharded (DTensors)": sharded, "gathered engine copy equal": gathered_ok,
+              "loaded weights equal": weights_ok, "loaded AdamW moments equal": moments_ok,
+              "trainer state equal": state == extra,
               f"next update's entropy and gradient norm within {PARITY_RTOL:g}": next_diff <= PARITY_RTOL}
     result = {"update_s": _r(update_s), "gather_s": _r(gather_s), "checkpoint_gib": _r(nbytes / GIB),
               "save_s": _r(save_s), "load_s": _r(load_s), "next_update_rel_diff": _r(next_diff, 3),
