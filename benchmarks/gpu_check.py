@@ -40,6 +40,7 @@ tests/test_gpu_check.py runs it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -208,11 +209,13 @@ def run_worker(parts: list[Part], workdir: Path, smoke: bool, index: int, deadli
                 continue
             records[part.name] = {"status": "failed", "error": error, "wall_s": round(time.perf_counter() - clock, 1)}
             break
-        try:  # a worker that wrote its last record leaves at once; one past its time is not waited for
+        # A worker that wrote its last record leaves at once; one past its time is not waited for. Then the
+        # worker and anything it started that outlived it (torch.compile's compile workers) are ended.
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=0 if overtime else 10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the worker and anything it started
-            proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     for record in records.values():
         if record["status"] == "failed":
             record["log"] = str(log_path)
