@@ -302,6 +302,7 @@ def test_rubric_config_errors_name_the_key():
         assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.slow
 def test_rule_criterion_mixes_into_the_training_reward(tmp_path):
     import yaml
     from conftest import SMOKE

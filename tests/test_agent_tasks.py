@@ -47,6 +47,7 @@ def _config(tmp_path, monkeypatch, module: str, code: str, tasks: list[dict], **
     return load_config(None, data=data)
 
 
+@pytest.mark.slow
 def test_the_documented_example_trains_and_a_run_dir_is_served(tmp_path, monkeypatch):
     from polyrl.train.loop import train
 
@@ -99,6 +100,7 @@ class FirstTurnCalls:
         self.engine.sync()
 
 
+@pytest.mark.slow
 def test_a_multi_turn_agent_trains_on_merged_trajectories(tmp_path, monkeypatch):
     from polyrl.train.step import build_run, rl_step
 
@@ -143,6 +145,7 @@ async def run(client, item):
 KINDS = ["good", "raise", "silent", "hang", "block", "bad_model", "bad_tool", "text"]
 
 
+@pytest.mark.slow
 def test_misbehaving_agents_are_dropped_and_the_run_goes_on(tmp_path, monkeypatch, caplog):
     from polyrl.train.step import build_run, rl_step
 

@@ -69,6 +69,7 @@ def _task(tok):
 
 # --- engine hook -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_stop_hook_off_or_silent_keeps_the_same_tokens(engine):
     prompts = [[1, 2, 3, 4], [5, 6, 7]]
     plain = engine.generate(prompts, 3, 12, 1.0, 1.0, seed=5)
@@ -220,6 +221,7 @@ def _agents_config(tmp_path, steps):
     ])
 
 
+@pytest.mark.slow
 def test_loop_with_agent_features_resumes_exactly(tmp_path):
     from polyrl.train.loop import train
 
@@ -234,6 +236,7 @@ def test_loop_with_agent_features_resumes_exactly(tmp_path):
     assert states[0] == states[1] and states[0]["prompts"]
 
 
+@pytest.mark.slow
 def test_rl_step_with_arpo_trains_on_trees(tmp_path):
     from polyrl.train.step import build_run, rl_step
 

@@ -62,6 +62,7 @@ def scripted_server():
     server.stop()
 
 
+@pytest.mark.slow
 def test_a_function_tool_runs_through_the_endpoint(scripted_server):
     server, engine = scripted_server
     before = len(engine.calls)
@@ -87,6 +88,7 @@ def _docs_example() -> tuple[str, dict]:
     return code, yaml.safe_load(re.search(r"```yaml\n(.*?)```", block, re.DOTALL).group(1))
 
 
+@pytest.mark.slow
 def test_the_documented_sdk_agent_takes_an_rl_step(tmp_path, monkeypatch):
     from polyrl.train.step import build_run, rl_step
 

@@ -9,6 +9,8 @@ from conftest import SMOKE
 from polyrl.config_check import load_config
 from polyrl.train.loop import train
 
+pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
+
 FAST = ["eval.before=false", "eval.after=false", "train.steps=1", "train.checkpoint_every=0",
         "logging.tensorboard=false", "logging.report=false"]
 

@@ -58,6 +58,7 @@ def trajectories(prompt_ids, groups, advantages=None) -> list[Trajectory]:
     return out
 
 
+@pytest.mark.slow
 def test_registry_and_loader(model_dirs):
     assert set(FUSED) == set(ARCHITECTURES)
     for arch, path in model_dirs.items():
@@ -70,6 +71,7 @@ def test_registry_and_loader(model_dirs):
         assert (HFEngine(model, tok, bf16_weights=True).fast is not None) == FUSED[arch], arch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_generate_and_learner_logprobs_agree(model_dirs, arch):
     """Behaviour log-probs of sampled tokens, on the policy's float32 weights and on the engine's bf16 copy (the
@@ -97,6 +99,7 @@ def test_generate_and_learner_logprobs_agree(model_dirs, arch):
     assert len(changed) == len(before), set(before) - set(changed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [a for a, fused in FUSED.items() if fused])
 def test_fused_path_logits_match_transformers(model_dirs, arch):
     """Prefill and three decode steps of the fused path against the model's own forward: float32 to 1e-4
@@ -143,6 +146,7 @@ def test_softcapped_logits_are_refused(tmp_path):
         load_model(str(tmp_path))
 
 
+@pytest.mark.slow
 def test_make_model_then_train_through_the_cli(tmp_path):
     out_dir = tmp_path / "qwen3"
     res = CliRunner().invoke(app, ["make-model", "qwen3", str(out_dir), "--seed", "2"])

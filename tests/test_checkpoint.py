@@ -128,6 +128,7 @@ def test_load_restores_weights_and_rng_exactly(tmp_path, model_and_tokenizer):
     assert optimizer_state == {"optimizer": {"x": 1}} and state == {"step": 7, **sampler}
 
 
+@pytest.mark.slow
 def test_training_resumes_past_a_torn_checkpoint(tmp_path, caplog):
     """train(resume=True) skips a torn newest checkpoint, names it, and reproduces the uninterrupted run."""
     from polyrl.train.loop import train

@@ -4,7 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import SMOKE
+
+pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
 
 REQUIRED = [
     "step",

@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import SMOKE
 
 from polyrl.models.device import native_bf16
@@ -14,6 +15,7 @@ def polyrl(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "polyrl", *args], capture_output=True, text=True, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_tasks_lists_every_reasoning_gym_dataset_with_a_description():
     from reasoning_gym.factory import DATASETS
 
@@ -30,6 +32,7 @@ def test_tasks_lists_every_reasoning_gym_dataset_with_a_description():
     assert "arithmetic" in chain_sum
 
 
+@pytest.mark.slow
 def test_tasks_lists_registered_environments():
     from polyrl.observe.catalog import environments
 
@@ -52,6 +55,7 @@ def test_one_line_descriptions():
     assert len(long) == 100 and long.endswith("…")
 
 
+@pytest.mark.slow
 def test_dry_run_validates_prints_and_estimates_without_training(tmp_path):
     out = tmp_path / "run"
     res = polyrl("train", str(SMOKE), "--dry-run", "--output", str(out), "rollout.group_size=3", cwd=tmp_path)
@@ -75,6 +79,7 @@ def test_dry_run_validates_prints_and_estimates_without_training(tmp_path):
     assert not out.exists() and not (tmp_path / "runs").exists()  # nothing trained or written
 
 
+@pytest.mark.slow
 def test_dry_run_bad_config_is_one_line_naming_the_key(tmp_path):
     res = polyrl("train", str(SMOKE), "--dry-run", "rollout.group_size=0")
     assert res.returncode == 2

@@ -166,6 +166,7 @@ def _problem(ref):
     return get_problem(ref) if isinstance(ref, str) else ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("cls", "name", "ref", "completion", "naive"), HACKS, ids=[h[1] for h in HACKS])
 def test_hack_scores_zero(cls, name, ref, completion, naive):
     problem = _problem(ref)
@@ -210,6 +211,7 @@ def test_other_correct_solutions_pass(ref, completion):
     assert score.reward == 1.0, score.verdict
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("ref", "completion", "reason"), [
     ("HumanEval/53", "    return x - y\n", "call 1 of 105, add(0, 1): returned -1, expected 1"),
     ("HumanEval/53", "    return float(x + y)\n", "returned float 1.0, the reference returns int 1"),

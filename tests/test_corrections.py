@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from polyrl.algorithms.corrections import (
@@ -187,6 +188,7 @@ def _own_logprobs(learner, trajectories):
         t.logprobs = [0.0] * s + logp[i, : len(t.input_ids) - s].tolist()
 
 
+@pytest.mark.slow
 def test_learner_logs_the_mismatch_every_step_and_applies_each_correction():
     from algo_helpers import fake_trajectories, make_learner
 

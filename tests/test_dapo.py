@@ -96,6 +96,7 @@ def test_dynamic_sampling_off_keeps_everything_and_still_measures():
     assert out.metrics() == {}
 
 
+@pytest.mark.slow
 def test_mask_truncated_removes_truncated_samples_from_the_loss():
     ts = fake_trajectories()
     for t in ts:

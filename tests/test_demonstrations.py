@@ -60,6 +60,7 @@ def test_a_demonstration_the_env_rejects_is_an_error(setup):
         demonstration_example(task, 1, wrong, tok)
 
 
+@pytest.mark.slow
 def test_sft_on_demonstrations_lowers_their_loss(tmp_path):
     cfg = load_config("demo", data={
         "model": {"name": "tiny-random", "bf16": False}, "tasks": [TOOL_TASK],

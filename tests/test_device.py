@@ -231,6 +231,7 @@ def _samples(engine: HFEngine, **kw) -> list:
     return [(c.token_ids, c.logprobs, c.finished) for g in groups for c in g]
 
 
+@pytest.mark.slow
 def test_engine_on_an_explicit_cpu_device_keeps_the_fused_path_and_its_outputs(tok):
     cpu = dev.resolve_device("cpu")
     placed = HFEngine(load_model("tiny-random", seed=0, device=cpu), tok, bf16=True, bf16_weights=True)
@@ -259,6 +260,7 @@ def test_windowed_attention_keeps_transformers_masks_off_the_cpu(tok):
     assert engine.fast is None and not engine.mask_4d
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bf16_weights", [False, True])
 def test_decode_mask_as_4d_boolean_samples_the_same(tok, bf16_weights):
     """The GPU's decode-step mask (prebuilt [B, 1, 1, K] booleans), run here on the CPU against the 2-D one."""

@@ -50,6 +50,7 @@ def test_gradient_reaches_the_student_only_and_vanishes_at_the_teacher():
     assert math.isclose(float(loss.detach()), 0.0, abs_tol=1e-7) and same.grad.abs().max() < 1e-6
 
 
+@pytest.mark.slow
 def test_learner_distills_each_row_from_its_own_task_teacher():
     from polyrl.config import AlgorithmConfig, OptimConfig
     from polyrl.models.loading import tiny_random_model

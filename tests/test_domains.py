@@ -134,6 +134,7 @@ def test_weighted_reward_and_names():
         weighted_reward({"env": 1.0}, {"env": 0.7, "judge": 0.3})
 
 
+@pytest.mark.slow
 def test_judge_scores_by_yes_probability():
     from polyrl.rewards.judge import Judge
 
@@ -145,6 +146,7 @@ def test_judge_scores_by_yes_probability():
     assert judge.score(pairs[:1], "Is the response correct?") == pytest.approx(scores[:1], abs=1e-5)
 
 
+@pytest.mark.slow
 def test_judge_component_mixes_into_the_training_reward(tmp_path):
     from polyrl.train.step import build_run, rl_step
 

@@ -66,6 +66,7 @@ def adder(prompt: str) -> str:
 
 # --- the endpoint --------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_completions_report_tokens_logprobs_and_usage(tiny):
     server = serve(tiny)
 

@@ -18,6 +18,7 @@ def parts():
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]  # unequal lengths: left padding is exercised
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bf16_weights", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_preallocated_cache_matches_dynamic_cache(parts, bf16_weights, temperature):
@@ -110,6 +111,7 @@ def test_sampling_follows_softmax_and_top_p():
     assert torch.allclose(logp, torch.log(probs)[tokens], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sampling_is_deterministic_given_the_seed(parts):
     model, tok = parts
     engine = HFEngine(model, tok, bf16=False)

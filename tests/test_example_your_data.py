@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "your_data"
 DOC = ROOT / "docs" / "your-data.md"
@@ -49,6 +51,7 @@ def test_the_page_shows_the_commands_the_reward_and_the_config_that_run_here():
     assert tasks in text, "the page's tasks block is not config.yaml's"
 
 
+@pytest.mark.slow
 def test_the_example_runs_as_the_page_shows(tmp_path):
     work = tmp_path / "your_data"
     shutil.copytree(EXAMPLE, work, ignore=shutil.ignore_patterns("qa.jsonl", "runs", "__pycache__"))

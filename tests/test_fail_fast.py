@@ -97,6 +97,7 @@ def test_ray_actors_a_machine_cannot_hold_are_refused_before_ray_starts():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_polyrl_train_refuses_what_this_machine_cannot_place_in_one_line_and_seconds(tmp_path):
     """About 7 s on two cores: the command's imports and the config; nothing is loaded or started."""
     t0 = time.perf_counter()
@@ -135,6 +136,7 @@ def test_a_ray_address_that_refuses_or_never_answers_is_one_line():
     check_ray_address("auto")  # left to Ray
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank", ["0", "1"])
 def test_a_rank_rendezvous_nobody_else_joins_gives_up_after_learner_timeout_s(monkeypatch, rank):
     """Rank 0 hosts the rendezvous and waits for the others; rank 1 waits for rank 0 to host it."""
@@ -164,6 +166,7 @@ def _hang_in_a_collective(timeout_s: float) -> None:
         leave_group()
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_a_rank_that_hangs_in_a_collective_ends_the_run_after_learner_timeout_s():
     """About 8 s on two cores, most of it spawning the two ranks."""
@@ -204,6 +207,7 @@ def test_an_async_rollout_process_that_sends_nothing_ends_the_run_after_learner_
                                "rollout process hangs")
 
 
+@pytest.mark.slow
 def test_a_verifiers_rubric_that_hangs_scores_its_reply_0_and_the_run_goes_on():
     pytest.importorskip("verifiers.types")  # imported by the first scoring: not part of the wait
     from polyrl.envs.verifiers_env import VerifiersEnv
@@ -221,6 +225,7 @@ def test_a_verifiers_rubric_that_hangs_scores_its_reply_0_and_the_run_goes_on():
     assert result.info["reward_error"] == "TimeoutError: the rubric ran past reward_timeout_s (0.3 s)"
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_ray_waits_for_an_actor_or_a_placement_give_up_with_one_line(tmp_path, monkeypatch):
     """A Ray actor that sleeps instead of answering, and rank bundles a busy cluster cannot place. About 20 s on

@@ -23,6 +23,8 @@ from polyrl.train import checkpoint as ckpt_module
 from polyrl.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, save_checkpoint
 from polyrl.train.faults import DISK_FULL_AT, KILL_AT
 
+pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
+
 STEPS = 3
 ARGS = [f"train.steps={STEPS}", "train.checkpoint_every=1", "tasks.0.eval_size=4", "logging.tensorboard=false",
         "algorithm.entropy_coef=0.01", "rollout.group_size=2", "rollout.max_new_tokens=8"]

@@ -110,6 +110,7 @@ def time_limit(seconds: int):
 
 # --- configs ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @FUZZ
 @given(st.lists(st.tuples(st.sampled_from([*PATHS, "bogus", "tasks.3.name", "model.lora.r"]),
                           st.one_of(values, st.just(DELETE))), min_size=1, max_size=4))
@@ -136,6 +137,7 @@ BOMB = b"a: &a [x, x, x, x, x, x, x, x, x]\n" + b"".join(
 ) + b"tasks: *i\n"
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.one_of(st.binary(max_size=120), st.text(max_size=120).map(str.encode), yamlish.map(str.encode)))
 @example(b"\x80")  # not UTF-8
@@ -193,6 +195,7 @@ task_params = st.sampled_from(sorted(RG_FIELDS)).flatmap(lambda name: st.tuples(
 ))
 
 
+@pytest.mark.slow
 @fuzz(100)
 @given(task_params)
 @example(("spell_backward", {"min_word_len": 5, "max_word_len": 2}))  # the dataset's own assertion
@@ -245,6 +248,7 @@ def test_any_reply_scores_a_float_in_unit_interval(which, index, reply, embed_an
     assert isinstance(score, float) and not math.isnan(score) and 0.0 <= score <= 1.0
 
 
+@pytest.mark.slow
 @fuzz(12)
 @given(st.one_of(st.text(max_size=80), st.text(alphabet=st.characters(codec=None), max_size=20),
                  st.binary(max_size=40).map(lambda b: b.decode("utf-8", "surrogateescape"))))

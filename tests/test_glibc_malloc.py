@@ -37,6 +37,7 @@ def steady_faults(mode: str) -> tuple[bool, list[int]]:
     return applied == "True", [int(f) for f in faults]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_an_updates_temporaries_stop_page_faulting():
     applied, kept = steady_faults("keep")
@@ -62,6 +63,7 @@ print(trimmed, kept, resident_bytes())
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
 @pytest.mark.parametrize("budget_gb, gives_back", [(0.3, True), (50.0, False)])
 def test_freed_memory_goes_back_only_above_the_budget(budget_gb, gives_back):

@@ -56,6 +56,7 @@ def test_every_scenario_is_recorded(golden):
     assert sorted(golden) == sorted([*SCENARIOS, RECORDED_ON])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_learner_numbers_match_the_recording(golden, name):
     got = run_scenario(name)

@@ -113,6 +113,7 @@ def test_reference_rows_leave_the_policy_loss_with_their_group_advantage():
             assert adv.advantages[0].tolist() == pytest.approx([-0.5] * 3)
 
 
+@pytest.mark.slow
 def test_a_learner_update_raises_the_reference_probability():
     learner = make_learner(lr=1e-2)
     trajectories = fake_trajectories(4)
@@ -123,6 +124,7 @@ def test_a_learner_update_raises_the_reference_probability():
     assert probs[-1] > probs[0] and "loss/guidance" in learner.update(trajectories)
 
 
+@pytest.mark.slow
 def test_rl_step_with_guidance_trains_on_references_and_logs_only_the_policys_rewards(tmp_path):
     cfg = load_config(SMOKE, ["guidance.reference=true", "logging.tensorboard=false", "rollout.max_new_tokens=6"])
     run = build_run(cfg, tmp_path)
@@ -134,6 +136,7 @@ def test_rl_step_with_guidance_trains_on_references_and_logs_only_the_policys_re
     assert metrics["reward/mean"] == pytest.approx(sum(t.reward for t in policy) / len(policy))
 
 
+@pytest.mark.slow
 def test_a_resumed_run_mixes_in_what_the_whole_run_did(tmp_path):
     from polyrl.train.loop import train
 

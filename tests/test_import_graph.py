@@ -9,6 +9,7 @@ import ast
 from pathlib import Path
 
 import networkx as nx
+import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "polyrl"
 
@@ -149,6 +150,7 @@ def test_cycle_finder_passes_a_graph_without_cycles(tmp_path):
     assert import_cycles(graph) == []
 
 
+@pytest.mark.slow
 def test_polyrl_has_no_import_cycles():
     graph = import_graph()
     assert graph.number_of_nodes() > 50 and graph.number_of_edges() > 100  # the walk found the package

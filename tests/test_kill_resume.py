@@ -24,6 +24,8 @@ from conftest import SMOKE
 
 from polyrl.train.faults import KILL_AT, TRACE
 
+pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
+
 STEPS = 5
 ARGS = [
     f"train.steps={STEPS}", "train.checkpoint_every=1", "eval.before=false", "eval.after=false",

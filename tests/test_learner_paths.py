@@ -136,6 +136,7 @@ def test_bf16_backward_head_matches_the_float32_head():
     assert torch.nn.functional.cosine_similarity(fast, exact, dim=0) > 0.999
 
 
+@pytest.mark.slow
 def test_micro_batches_change_no_update():
     # Micro-batches are cut from the batch sorted by prompt length and group (so a group's shared prompt is
     # computed once): any micro-batch size gives the same loss and the same gradient as one batch.

@@ -79,6 +79,7 @@ def test_untied_head_and_qkv_bias_match_transformers():
     assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
 
 
+@pytest.mark.slow
 def test_lora_deltas_are_merged_and_refreshed():
     policy = load_model("tiny-random", LoraConfig(r=4, alpha=8), seed=1)
     for name, p in policy.named_parameters():
@@ -102,6 +103,7 @@ def test_lora_deltas_are_merged_and_refreshed():
     assert torch.allclose(after, reference_logits(policy, ids, mask, positions)[:, -1], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_bf16_logits_are_within_bf16_rounding(tiny):
     got, want = decoder_logits(tiny, torch.bfloat16)
     assert (got - want).abs().max() < 0.05  # logits of magnitude ~1: a few bf16 steps accumulated over layers
@@ -113,6 +115,7 @@ def test_bf16_logits_are_within_bf16_rounding(tiny):
     assert torch.allclose(got.max(-1).values, exact.max(-1).values, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not llama_decode.packing_available(), reason="no oneDNN bf16 weight packing on this CPU")
 def test_packed_weights_give_the_same_logits(tiny, monkeypatch):
     packed, _ = decoder_logits(tiny, torch.bfloat16)
@@ -137,6 +140,7 @@ def test_rms_norm_on_bf16_rounds_once_like_transformers():
     assert torch.equal(llama_decode.rms_norm(x, weight, 1e-5), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_engine_generates_what_the_reference_engine_generates(tiny, temperature):
     """Group sharing, row dropping and the stop predicate on the fused path (float32, so the comparison is
@@ -177,6 +181,7 @@ def test_engine_sync_takes_updated_weights(tiny):
     assert [c.token_ids for g in after for c in g] != [c.token_ids for g in before for c in g]
 
 
+@pytest.mark.slow
 def test_released_weights_are_rebuilt_by_sync(tiny):
     # The learner's update runs without the engine's copy of the weights (release_memory), and the sync after
     # it rebuilds them: generation afterwards equals a fresh engine's on the updated policy.
@@ -201,6 +206,7 @@ def test_released_weights_are_rebuilt_by_sync(tiny):
     assert [c.logprobs for g in after for c in g] == [c.logprobs for g in fresh for c in g]
 
 
+@pytest.mark.slow
 def test_weights_released_until_used_are_rebuilt_by_the_next_decode(tiny):
     # Evaluation releases the copy while a task may still sample from the engine (a self-play opponent).
     tok = load_tokenizer("tiny-random")
@@ -225,6 +231,7 @@ def test_unsupported_architectures_keep_the_transformers_path(tiny):
     assert HFEngine(tiny, tok, bf16_weights=True, fast_decode=False).fast is None
 
 
+@pytest.mark.slow
 def test_held_out_evaluation_runs_without_the_sampling_copy(monkeypatch, tmp_path):
     # evaluate_all decodes on the policy's own weights: the engine's copy is released for it (its caches would
     # come on top) and rebuilt afterwards, so sampling goes on exactly as before.

@@ -3,6 +3,7 @@
 import gc
 from pathlib import Path
 
+import pytest
 import torch
 
 from polyrl.config import AlgorithmConfig, LoraConfig, OptimConfig
@@ -20,6 +21,7 @@ def _batch():
     return [t, Trajectory(**{**t.__dict__, "advantage": -1.0, "input_ids": prompt + [23, 24, 25]})]
 
 
+@pytest.mark.slow
 def test_lora_reference_is_base_model_without_a_copy():
     torch.manual_seed(0)
     base = load_model("tiny-random", None, seed=1)
@@ -38,6 +40,7 @@ def test_lora_reference_is_base_model_without_a_copy():
     assert not torch.allclose(token_logprobs(policy, batch, 1.0, False)[0], expected, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_bf16_frozen_base_gives_the_same_updates_as_float32_under_autocast():
     """Autocast casts float32 weights to bf16 for each matmul; storing the frozen base in bf16 must not change
     the numbers, only the bytes."""
@@ -68,6 +71,7 @@ def test_bf16_base_is_shared_by_the_engine_copy():
     assert base and shared == base  # no second copy of the frozen base
 
 
+@pytest.mark.slow
 def test_bf16_base_releases_the_checkpoints_file_mapping(tmp_path):
     """transformers memory-maps a safetensors checkpoint: a frozen weight left in the mapping keeps the whole
     file's pages resident beside the bf16 copies, so nothing of the file may stay mapped."""

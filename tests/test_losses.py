@@ -191,6 +191,7 @@ def test_dppo_topk_divergence_by_hand():
     assert topk_divergence(logits, ids, logq, "kl").item() == pytest.approx(0.025815, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_dppo_topk_in_the_learner_anchors_on_the_policy_at_the_update_start():
     ts = fake_trajectories()
     # one epoch: the anchor is the pass itself, so every token is inside the region
@@ -215,6 +216,7 @@ def test_dppo_topk_config_errors_name_the_key():
         assert words in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_dppo_in_the_learner_takes_the_behaviour_log_probs():
     ts = fake_trajectories()  # behaviour log-probs 0 (probability 1): every token moved down by > 0.2 TV
     m = make_learner(loss="dppo", track_kl=False).update(ts)
@@ -233,6 +235,7 @@ def scaled_ppo(
     return scale * loss, {**m, "test/scale": scale}
 
 
+@pytest.mark.slow
 def test_a_user_registered_loss_is_usable_from_config():
     cfg = load_config(SMOKE, ["algorithm.loss=test_scaled_ppo", "algorithm.loss_kwargs={scale: 2.0}"])
     assert cfg.algorithm.loss == "test_scaled_ppo" and cfg.algorithm.loss_kwargs == {"scale": 2.0}
@@ -284,6 +287,7 @@ def test_kl_in_the_reward_makes_per_token_advantages():
     assert adv.tolist() == [1.0]
 
 
+@pytest.mark.slow
 def test_kl_placement_changes_the_update():
     # The first update moves the policy away from the reference; the second sees KL > 0 either way.
     results = {}
@@ -295,6 +299,7 @@ def test_kl_placement_changes_the_update():
     assert results["loss"]["loss"] != pytest.approx(results["reward"]["loss"])
 
 
+@pytest.mark.slow
 def test_several_epochs_move_the_importance_ratio():
     m = make_learner(lr=1e-2, epochs=3, track_kl=False).update(fake_trajectories())
     assert m["ratio/max"] > 1.0 or m["ratio/min"] < 1.0

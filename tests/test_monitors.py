@@ -172,6 +172,7 @@ def test_nothing_rewarded_gives_zero_shares():
     assert monitor_metrics([])["monitor/flagged"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_humaneval_run_logs_the_monitors(tmp_path):
     """A 1-step run of the tiny model on the HumanEval task: the monitor metrics reach metrics.jsonl and the
     report, and the stored samples carry their flags for the viewer."""
@@ -188,6 +189,7 @@ def test_a_humaneval_run_logs_the_monitors(tmp_path):
     assert "monitor/flagged" in (out / "report.html").read_text()
 
 
+@pytest.mark.slow
 def test_report_shows_the_monitors(tmp_path):
     from polyrl.observe.report import write_report
 

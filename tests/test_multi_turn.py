@@ -277,6 +277,7 @@ class ForcedFirstTurn:
         self.engine.sync()
 
 
+@pytest.mark.slow
 def test_rl_steps_on_tool_math_mask_env_tokens(tmp_path):
     from polyrl.train.step import build_run, rl_step
 

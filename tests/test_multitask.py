@@ -90,6 +90,7 @@ def test_learner_weights_cross_policy_tokens_by_truncated_is():
     assert metrics["cross_policy/capped_frac"] == pytest.approx(0.5)
 
 
+@pytest.mark.slow
 def test_cross_policy_run_records_behaviour_and_weights(tmp_path):
     from polyrl.train.step import build_run, rl_step
 
@@ -199,6 +200,7 @@ def test_curriculum_config_errors_name_the_key(section, message):
         load_config(None, data=data)
 
 
+@pytest.mark.slow
 def test_curriculum_in_a_run_logs_levels_and_resumes(tmp_path):
     from polyrl.train.loop import train
 

@@ -21,6 +21,8 @@ from polyrl.train.learner import Learner
 from polyrl.train.loop import train
 from polyrl.train.step import NonFiniteError
 
+pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
+
 POISON = {"value": math.nan, "steps": set(), "always": False, "update": 0}
 
 

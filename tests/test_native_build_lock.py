@@ -6,6 +6,8 @@ import os
 import threading
 import time
 
+import pytest
+
 from polyrl.engines.native import wait_for_build_lock
 
 
@@ -19,6 +21,7 @@ def test_a_stale_build_lock_is_removed(tmp_path):
     assert not lock.exists() and time.perf_counter() - t0 < 1.0
 
 
+@pytest.mark.slow
 def test_a_live_build_lock_is_waited_for(tmp_path):
     lock = tmp_path / "lock"
     lock.touch()

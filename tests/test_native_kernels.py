@@ -145,6 +145,7 @@ def small_llama(head_dim: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [64, 8])
 def test_native_decoder_tracks_the_torch_decoder(ops, monkeypatch, head_dim):
     """Teacher-forced decoding of two prompts sampled twice each, with buffers that grow and rows that leave:

@@ -65,6 +65,7 @@ def three_stage_run(tmp_path_factory):
     return cfg, tmp / "run", res
 
 
+@pytest.mark.slow
 def test_three_stages_through_the_cli(three_stage_run):
     _, run, res = three_stage_run
     labels = ["1-sft", "2-rl", "3-distill"]
@@ -94,6 +95,7 @@ def test_three_stages_through_the_cli(three_stage_run):
     assert "| task | base | 1-sft | 2-rl | 3-distill |" in res.stdout
 
 
+@pytest.mark.slow
 def test_table_and_registry_hold_every_task_and_its_best(three_stage_run):
     _, run, _ = three_stage_run
     state = json.loads((run / "stages.json").read_text())
@@ -110,6 +112,7 @@ def test_table_and_registry_hold_every_task_and_its_best(three_stage_run):
         assert state["final_gap"][task] == pytest.approx(scores[-1] - max(scores))
 
 
+@pytest.mark.slow
 def test_sigkill_in_stage_two_resumes_there(tmp_path, three_stage_run):
     cfg, reference, _ = three_stage_run
     run = tmp_path / "run"
@@ -143,6 +146,7 @@ def test_find_regressions_uses_the_threshold():
                                       threshold=0.02) == {}
 
 
+@pytest.mark.slow
 def test_regression_inserts_a_distill_stage_from_the_best_checkpoint(tmp_path, monkeypatch):
     # The entropy bonus moves the weights (the tiny model earns no reward), so the student differs from its teacher.
     stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
@@ -177,6 +181,7 @@ def test_regression_inserts_a_distill_stage_from_the_best_checkpoint(tmp_path, m
     assert reg["chain_sum"]["stage"] == "1-rl_a" and reg["basic_arithmetic"]["stage"] == "3-rl_b"
 
 
+@pytest.mark.slow
 def test_distill_keeps_a_task_whose_teacher_is_the_stage_start(tmp_path, monkeypatch):
     # After rl_a, chain_sum's best checkpoint is rl_a's own, which the distill stage starts from; it is still
     # distilled (held against that checkpoint while basic_arithmetic, whose best is the base model, moves).
@@ -200,6 +205,7 @@ def test_distill_keeps_a_task_whose_teacher_is_the_stage_start(tmp_path, monkeyp
     assert row["samples"] == 1 * 2 * 2  # steps x prompts x group
 
 
+@pytest.mark.slow
 def test_distill_stage_with_every_teacher_its_start_is_skipped(tmp_path, monkeypatch):
     stages = [{"name": "rl", "steps": 1}, {"name": "distill", "kind": "distill", "steps": 1}]
     cfg = load_config(write_config(tmp_path / "c.yaml", stages))
@@ -213,6 +219,7 @@ def test_distill_stage_with_every_teacher_its_start_is_skipped(tmp_path, monkeyp
     assert not (tmp_path / "run/stages/2-distill").exists()  # no training step was taken
 
 
+@pytest.mark.slow
 def test_a_task_whose_start_ties_its_best_is_retained_not_taught_by_the_earlier_checkpoint(tmp_path, monkeypatch):
     # basic_arithmetic scores 0.5 at the base model and after rl: on a tie the distill stage's teacher is its
     # start, so with chain_sum also at its best there it has nothing to teach and takes no step.

@@ -45,6 +45,7 @@ def _traj(step, task, reward, text, **flags):
     }
 
 
+@pytest.mark.slow
 def test_report_has_curves_eval_stages_samples_and_config(tmp_path):
     metrics = [
         {
@@ -116,6 +117,7 @@ def test_report_without_summary_or_trajectories(tmp_path):
     assert "id=eval-table" not in page and "id=config" not in page and "Stored rollouts" not in page
 
 
+@pytest.mark.slow
 def test_missing_metrics_is_a_one_line_error(tmp_path):
     with pytest.raises(ReportError, match=r"metrics\.jsonl: not found"):
         load_run(tmp_path)
@@ -150,6 +152,7 @@ def test_report_failure_is_a_warning_not_an_exception(tmp_path):
     assert len(messages) == 1 and messages[0].startswith("warning: report.html not written")
 
 
+@pytest.mark.slow
 def test_train_writes_report_at_the_end(tmp_path):
     out = tmp_path / "run"
     subprocess.run(
@@ -167,6 +170,7 @@ def test_train_writes_report_at_the_end(tmp_path):
     assert (out / "report.html").stat().st_mtime_ns >= mtime
 
 
+@pytest.mark.slow
 def test_report_plots_the_engine_learner_mismatch_in_its_own_panel(tmp_path):
     metrics = [{"step": s, "reward/mean": 0.5, "mismatch/log_ratio": 0.01 * s, "mismatch/kl": 0.001 * s,
                 "mismatch/beyond_band_frac": 0.1, "mismatch/abs_log_ratio/max": 2.0} for s in (1, 2, 3)]

@@ -18,6 +18,8 @@ from conftest import SMOKE
 
 from polyrl.train.faults import KILL_AT
 
+pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
+
 STEPS, GROUP = 5, 2
 ARGS = [
     f"train.steps={STEPS}", "train.checkpoint_every=1", "eval.before=false", "eval.after=false",

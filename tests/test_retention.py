@@ -63,6 +63,7 @@ def test_retention_keys_on_the_wrong_stage_are_config_errors(tmp_path, bad, msg)
         load_config(write_config(tmp_path / "c.yaml", [bad]))
 
 
+@pytest.mark.slow
 def test_replay_stage_samples_earlier_tasks_with_a_kl_to_their_best(tmp_path, monkeypatch):
     stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
               {"name": "rl_b", "tasks": ["basic_arithmetic"], "steps": 2, "replay": 0.5, "retain_coef": 0.5}]
@@ -86,6 +87,7 @@ def test_replay_stage_samples_earlier_tasks_with_a_kl_to_their_best(tmp_path, mo
     assert any(m.get("distill/reverse_kl", 0) > 0 for m in metrics)
 
 
+@pytest.mark.slow
 def test_replay_from_all_holds_a_task_not_trained_yet_by_a_kl_to_its_best_so_far(tmp_path, monkeypatch):
     # The first stage has no earlier domain; with replay_from: all it replays the second stage's task, whose
     # best so far is the base model, so that task is held where it started instead of drifting.
@@ -124,6 +126,7 @@ def _second_stage(tmp_path, monkeypatch, stages: list[dict], held_out: list[dict
     return pipeline.run_pipeline(cfg, tmp_path / "run", log=lambda msg: None)["rows"][2]
 
 
+@pytest.mark.slow
 def test_distill_stops_once_every_task_is_within_tolerance(tmp_path, monkeypatch):
     stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
               {"name": "distill", "kind": "distill", "steps": 6, "until_within": 0.02, "eval_every": 2}]
@@ -142,6 +145,7 @@ def test_distill_stops_once_every_task_is_within_tolerance(tmp_path, monkeypatch
     assert sorted(p.name for p in (tmp_path / "run/stages/2-distill/checkpoints").iterdir()) == ["step-2"]
 
 
+@pytest.mark.slow
 def test_distill_at_the_end_of_its_budget_keeps_the_best_part(tmp_path, monkeypatch):
     stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
               {"name": "distill", "kind": "distill", "steps": 3, "until_within": 0.02, "eval_every": 2}]
@@ -168,6 +172,7 @@ def test_best_mean_part_takes_the_highest_mean_and_the_earliest_on_a_tie():
     assert retention.best_mean_part(parts[:1]) == 0
 
 
+@pytest.mark.slow
 def test_rl_stage_with_keep_best_ends_at_its_best_validated_part(tmp_path, monkeypatch):
     stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
               {"name": "rl_b", "tasks": ["basic_arithmetic"], "steps": 5, "keep_best": True, "eval_every": 2}]
@@ -195,6 +200,7 @@ def test_focus_weights_scale_each_task_by_its_shortfall_in_points():
     assert weights == pytest.approx({"a": 4.0, "b": 1.0, "c": 3.0})
 
 
+@pytest.mark.slow
 def test_distill_with_focus_samples_the_task_furthest_behind_more_and_takes_its_rollout(tmp_path, monkeypatch):
     stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
               {"name": "distill", "kind": "distill", "steps": 4, "until_within": 0.0, "eval_every": 2,
@@ -219,6 +225,7 @@ def test_distill_with_focus_samples_the_task_furthest_behind_more_and_takes_its_
                                                                                   "basic_arithmetic": 1.5})
 
 
+@pytest.mark.slow
 def test_a_run_stopped_and_resumed_with_stop_at_step_equals_one_run(tmp_path):
     # A distill stage's pauses must not restart Adam or the schedule: stopping at step 1 and resuming to 3
     # trains exactly as 3 steps in one go, learning rate included.
@@ -254,6 +261,7 @@ def test_correct_distinct_keeps_each_correct_reply_of_an_item_once():
     assert [(t.item_id, t.input_ids) for t in kept] == [(0, [5, 1]), (0, [5, 3]), (1, [5, 1])]
 
 
+@pytest.mark.slow
 def test_sft_from_teacher_trains_on_the_best_checkpoints_correct_replies(tmp_path, monkeypatch):
     from polyrl.train import teacher_examples
     from tests.test_pipeline import weights_digest

@@ -255,6 +255,7 @@ def test_what_a_reward_prints_does_not_break_its_replies(rewards):
         fn.close()
 
 
+@pytest.mark.slow
 def test_async_functions_single_and_batched(rewards):
     single = RewardFn(ref(rewards, "async_single"), timeout_s=1)
     batched = RewardFn(ref(rewards, "async_batched"), timeout_s=10)
@@ -309,6 +310,7 @@ def test_a_raise_scores_zero_with_the_first_line_and_a_task_reports_it(rewards):
     task.reward.close()
 
 
+@pytest.mark.slow
 def test_a_reward_that_hangs_times_out_and_the_next_call_works(rewards):
     fn = RewardFn(ref(rewards, "hangs"), timeout_s=1)
     try:

@@ -30,6 +30,7 @@ def _comparable(record):
     return {k: v for k, v in record.items() if not any(t in k for t in TIMING) and not k.startswith("staleness")}
 
 
+@pytest.mark.slow
 def test_async_eta0_reproduces_the_local_run(tmp_path):
     local = load_config(SMOKE, BASE)
     asynchronous = load_config(SMOKE, [*BASE, "runtime.kind=async", "runtime.eta=0"])
@@ -42,6 +43,7 @@ def test_async_eta0_reproduces_the_local_run(tmp_path):
     assert all(r["staleness/max"] == 0 for r in b)
 
 
+@pytest.mark.slow
 def test_async_eta1_partial_rollouts_respect_the_bound(tmp_path):
     cfg = load_config(SMOKE, [*BASE, "train.steps=4", "runtime.kind=async", "runtime.eta=1",
                               "runtime.partial_rollouts=true", "runtime.chunk_tokens=2",
@@ -58,6 +60,7 @@ def test_async_eta1_partial_rollouts_respect_the_bound(tmp_path):
         assert row["step"] - 1 - min(versions) <= 1
 
 
+@pytest.mark.slow
 def test_a_partial_rollout_spans_versions_with_each_tokens_own_logprob(tmp_path):
     from polyrl.engines.hf import HFEngine
     from polyrl.rollout.multi_turn import rollout

@@ -15,6 +15,8 @@ from polyrl.train.faults import KILL_AT
 from polyrl.train.loop import train
 from tests.conftest import SMOKE
 
+pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
+
 ray = pytest.importorskip("ray")
 
 BASE = [

@@ -96,6 +96,7 @@ def test_humaneval_wrong_and_fenced_completions():
 
 # --- hostile programs -------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @needs_unprivileged
 @pytest.mark.parametrize("attempt", range(REPEATS))
 def test_fork_bomb_is_capped_and_cleaned_up(attempt):
@@ -120,6 +121,7 @@ def test_fork_bomb_is_capped_and_cleaned_up(attempt):
     assert os.getpid() > 0 and run_python("print(1)").passed  # we are alive and the sandbox still works
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attempt", range(REPEATS))
 def test_infinite_loop_times_out(attempt):
     v = run_python("while True:\n    pass", timeout_s=1)
@@ -220,6 +222,7 @@ print(json.dumps(out))
     assert not Path("/evil").exists() and not Path("/usr/evil").exists()
 
 
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.parametrize("attempt", range(REPEATS))
 def test_no_connection_to_a_local_listener(attempt):

@@ -20,6 +20,7 @@ def setup():
     return tok, make_task(cfg, 0, tokenizer=tok)
 
 
+@pytest.mark.slow
 def test_loss_mask_covers_the_gold_answer_and_stop_token_only(setup):
     tok, task = setup
     item = task.train_item(3)

@@ -188,16 +188,19 @@ def _results(runs) -> list[dict]:
     return [json.loads((root / f"results-{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_one_process_save_resumes_at_two_ranks(runs):
     assert [r["ws1_to_ws2"] for r in _results(runs)] == [[], []]
 
 
+@pytest.mark.slow
 def test_two_rank_save_resumes_bit_exact_at_two(runs):
     for r in _results(runs):
         assert r["ws2_to_ws2"] == [] and r["next_step"] == []
         assert r["rng_restored"] and r["extra"] == EXTRA
 
 
+@pytest.mark.slow
 def test_two_rank_save_resumes_at_one_without_a_group(runs):
     root, _ = runs
     rank0 = _results(runs)[0]
@@ -208,6 +211,7 @@ def test_two_rank_save_resumes_at_one_without_a_group(runs):
     assert torch.rand(4).tolist() == rank0["rand_after_save"]  # rank 0's RNG carries over
 
 
+@pytest.mark.slow
 def test_export_loads_and_decodes_like_the_unsharded_model(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -225,6 +229,7 @@ def test_export_loads_and_decodes_like_the_unsharded_model(runs, tmp_path):
     assert torch.equal(exported.generate(prompt, **kw), unsharded.generate(prompt, **kw))
 
 
+@pytest.mark.slow
 def test_killed_save_leaves_the_previous_checkpoint(runs):
     root, error = runs
     _results(runs)
@@ -239,6 +244,7 @@ def test_killed_save_leaves_the_previous_checkpoint(runs):
     assert [p.name for p in remove_partial_saves(run)] == [".step-2.tmp"]
 
 
+@pytest.mark.slow
 def test_a_corrupt_shard_fails_verification(runs, tmp_path):
     root, _ = runs
     run = tmp_path / "run"
@@ -251,6 +257,7 @@ def test_a_corrupt_shard_fails_verification(runs, tmp_path):
     assert latest_checkpoint(run) is None
 
 
+@pytest.mark.slow
 def test_lora_policy_under_a_wrapper_resumes_at_one_and_exports_merged(runs, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -273,6 +280,7 @@ def test_lora_policy_under_a_wrapper_resumes_at_one_and_exports_merged(runs, tmp
         torch.testing.assert_close(got, lora.policy(input_ids=ids).logits)
 
 
+@pytest.mark.slow
 def test_lora_checkpoint_holds_the_adapter_and_exports(tmp_path):
     from peft import PeftModel
 
@@ -308,6 +316,7 @@ def test_lora_checkpoint_holds_the_adapter_and_exports(tmp_path):
         assert torch.equal(reloaded(input_ids=ids).logits, want)
 
 
+@pytest.mark.slow
 def test_cli_export_writes_a_run_dirs_newest_checkpoint(runs, tmp_path):
     from typer.testing import CliRunner
 
@@ -322,6 +331,7 @@ def test_cli_export_writes_a_run_dirs_newest_checkpoint(runs, tmp_path):
     assert again.exit_code == 2 and "exists and is not empty" in again.output
 
 
+@pytest.mark.slow
 def test_a_one_process_hf_checkpoint_exports_too(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -30,6 +30,8 @@ from polyrl.types import Trajectory
 from tests.conftest import SMOKE
 from tests.dist_helpers import run_ranks
 
+pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
+
 MIS = {"off_policy": "mis", "off_policy_kwargs": {"cap": 1.5, "drop": True}}
 CASES = [(agg, lora) for agg in ("token-mean", "seq-mean-token-mean") for lora in (False, True)]
 

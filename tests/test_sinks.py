@@ -35,6 +35,7 @@ def test_flatten_config_uses_override_keys():
     assert flatten_config(data) == {"a.b": 1, "tasks.0.name": "x", "betas": [0.9, 0.99]}
 
 
+@pytest.mark.slow
 def test_mlflow_sink_logs_metrics_and_params_and_resumes(tmp_path):
     pytest.importorskip("mlflow", reason="mlflow is the optional 'mlflow' extra (in dev)")
     sink = MlflowSink(tmp_path, None, "exp", "run-a", {"rollout": {"group_size": 4}}, resume=False)

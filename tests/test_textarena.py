@@ -157,6 +157,7 @@ def test_bad_game_in_a_config_file_names_the_key():
         load_config(None, data=data)
 
 
+@pytest.mark.slow
 def test_the_documented_config_trains_two_steps(tmp_path):
     from polyrl.train.loop import train
 

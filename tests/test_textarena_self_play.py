@@ -120,6 +120,7 @@ def _self_play_rollout(engine: HFEngine, seed: int = 3):
     return trajectories, trained, opponent
 
 
+@pytest.mark.slow
 def test_only_the_trained_seats_tokens_are_model_tokens(tiny_engine, tok):
     trajectories, trained, opponent = _self_play_rollout(tiny_engine)
     assert len(opponent.completions) == 2 * len(trajectories)  # every episode's other seat played all its turns
@@ -142,6 +143,7 @@ def test_only_the_trained_seats_tokens_are_model_tokens(tiny_engine, tok):
     assert any("You are Player 0" in tok.decode(p) for p in opponent.prompts)
 
 
+@pytest.mark.slow
 def test_self_play_replays_at_a_fixed_seed_and_leaves_the_global_rngs_alone(tiny_engine):
     torch_state, python_state = torch.get_rng_state(), random.getstate()
     first, _, first_opponent = _self_play_rollout(tiny_engine)
@@ -177,6 +179,7 @@ def test_self_play_without_a_policy_to_play_it_names_the_key():
         make_task(TaskConfig(name="game", env="textarena", params=TIC_TAC_TOE), seed=0)
 
 
+@pytest.mark.slow
 def test_the_documented_self_play_config_trains_a_step(tmp_path, monkeypatch):
     """The run's own engine plays the other seat: build_run hands every task the policy."""
     from polyrl.train.loop import train
@@ -202,6 +205,7 @@ def test_the_documented_self_play_config_trains_a_step(tmp_path, monkeypatch):
     assert len(rows) == 1 and math.isfinite(rows[0]["loss"]) and -1.0 <= rows[0]["reward/mean"] <= 1.0
 
 
+@pytest.mark.slow
 def test_a_pipelines_evaluation_plays_the_other_seat_with_the_model_evaluated(monkeypatch):
     from polyrl.train.pipeline import evaluate_domains
 

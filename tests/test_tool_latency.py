@@ -70,6 +70,7 @@ def test_concurrent_steps_give_the_sequential_trajectories(tok, monkeypatch):
     assert all(t["reward"] == 1.0 for t in threaded if t["info"].get("valid_tool_calls"))
 
 
+@pytest.mark.slow
 def test_a_turn_with_k_calls_waits_about_one_latency(tok, monkeypatch):
     latency, calls = 0.3, 8
     tool_task = make_task(_latency(latency), seed=0, tokenizer=tok)

@@ -46,6 +46,7 @@ def test_attempts_config_errors():
         TryAgainEnv(multi, 2, "again")
 
 
+@pytest.mark.slow
 def test_try_again_episodes_train(tmp_path):
     from polyrl.train.step import build_run, rl_step
 

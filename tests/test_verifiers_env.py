@@ -48,6 +48,7 @@ def vf_env_module(tmp_path, monkeypatch):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_rows_prompt_and_rubric_come_from_the_environment(vf_env_module):
     task = make_task(TaskConfig(name="add", env="verifiers:vf_add_env", params={"n": 12, "n_eval": 3}), seed=0)
     assert len(task.source) == 12 and task.has_eval_items
@@ -66,6 +67,7 @@ def test_rows_prompt_and_rubric_come_from_the_environment(vf_env_module):
     assert wrong.reward == 0.0 and wrong.info["reward_terms"]["short"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_missing_environment_or_bad_arguments_are_one_line(vf_env_module):
     with pytest.raises(ValueError, match="verifiers environment 'no_such_env' is not installed") as err:
         make_task(TaskConfig(name="x", env="verifiers:no_such_env"), seed=0)
@@ -77,6 +79,7 @@ def test_a_missing_environment_or_bad_arguments_are_one_line(vf_env_module):
         load_config(None, data={**TINY, "tasks": [{"name": "x", "env": "verifiers:vf_add_env", "items": [{}]}]})
 
 
+@pytest.mark.slow
 def test_a_verifiers_environment_trains(vf_env_module):
     data = {**TINY, "tasks": [{"name": "add", "env": "verifiers:vf_add_env", "eval_size": 2}],
             "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},

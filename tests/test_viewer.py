@@ -91,6 +91,7 @@ def served(smoke_run):
     s.close()
 
 
+@pytest.mark.slow
 def test_api_lists_and_decodes_a_real_run(served, smoke_run, tokenizer):
     status, listing = served.get("/api/trajectories")
     rows = listing["rows"]
@@ -156,6 +157,7 @@ def test_index_follows_a_growing_file(tmp_path):
     assert len(index.rows) == 2 and index.record(1)["text"] == "hi"
 
 
+@pytest.mark.slow
 def test_cli_view_serves_and_refuses_public_hosts(smoke_run):
     res = subprocess.run(
         [sys.executable, "-m", "polyrl", "view", str(smoke_run), "--host", "0.0.0.0"],
@@ -222,6 +224,7 @@ def _rows(page):
     return page.locator("#traj-table tbody tr")
 
 
+@pytest.mark.slow
 def test_page_filters_and_opens_a_trajectory(browser_page, served, smoke_run, tmp_path):
     page = browser_page
     page.goto(served.url)
@@ -312,6 +315,7 @@ def _branching_run(path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_page_shows_turns_env_tokens_and_branch_tree(browser_page, tmp_path):
     page = browser_page
     srv = Served(_branching_run(tmp_path / "arpo"))
@@ -334,6 +338,7 @@ def test_page_shows_turns_env_tokens_and_branch_tree(browser_page, tmp_path):
         srv.close()
 
 
+@pytest.mark.slow
 def test_page_filters_by_reward_hacking_monitor(browser_page, tmp_path):
     """The monitor filter (polyrl/rewards/monitors.py flags in info.monitor_flags): any flag, none, one flag."""
     run = tmp_path / "monitored"

@@ -15,12 +15,15 @@ from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from polyrl.parallel.launch import free_port
 from polyrl.parallel.sync_group import SyncGroup, join_sync_group
 from polyrl.parallel.weight_sync import WeightReceiver, WeightSender, canonical_name, iter_full_state
+
+pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
 
 PROMPT = [5, 17, 42, 99, 7, 3]
 TOKENIZER = SimpleNamespace(pad_token_id=2, eos_token_id=2)  # all HFEngine reads from a tokenizer

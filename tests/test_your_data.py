@@ -344,6 +344,7 @@ def _run_dir_with_an_earlier_run(tmp_path: Path) -> tuple[Path, dict[str, bytes]
     return run_dir, {p.name: p.read_bytes() for p in run_dir.iterdir()}
 
 
+@pytest.mark.slow
 def test_polyrl_train_exits_2_with_one_line_and_leaves_the_run_dir_alone(tmp_path):
     write_jsonl(tmp_path / "data.jsonl", ROWS)
     config = {**TINY, "name": "bad_reward", "train": {"steps": 2},
@@ -482,6 +483,7 @@ def _data_cli(tmp_path: Path, task: dict) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_polyrl_data_shows_rows_prompts_lengths_and_the_audit(tmp_path):
     proc = _data_cli(tmp_path, {"prompt_suffix": " Reply with the number."})
     assert proc.returncode == 0, proc.stderr
@@ -496,6 +498,7 @@ def test_polyrl_data_shows_rows_prompts_lengths_and_the_audit(tmp_path):
     assert "reward audit passed" in out
 
 
+@pytest.mark.slow
 def test_polyrl_data_exits_1_when_the_audit_fails(tmp_path):
     (tmp_path / "zero_reward.py").write_text("def score(completion, item):\n    return 0.0\n")
     proc = _data_cli(tmp_path, {"reward": "zero_reward:score"})
@@ -559,6 +562,7 @@ def _train(tmp_path: Path, task: dict, tok, prompts: set[str]) -> tuple[dict, li
     return summary, metrics, logged
 
 
+@pytest.mark.slow
 def test_verl_parquet_and_verl_compute_score_train_unchanged(tmp_path, monkeypatch, one_thread, tok):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "verl_reward.py").write_text(VERL_REWARD)
