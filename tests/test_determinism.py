@@ -13,6 +13,8 @@ import sys
 import pytest
 from conftest import SMOKE
 
+from tests.forkserver import ForkServer
+
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
 
 STEPS = 3
@@ -25,17 +27,44 @@ def timing_free(rows: list[dict]) -> list[dict]:
     return [{k: v for k, v in row.items() if not k.endswith("_s")} for row in rows]
 
 
-def _run(out, *extra):
-    res = subprocess.run([sys.executable, "-m", "polyrl", "train", str(SMOKE), "--output", str(out), *ARGS, *extra],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-3000:]
+def _result(out):
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     weights = hashlib.sha256((out / "checkpoints" / f"step-{STEPS}" / "model.safetensors").read_bytes()).hexdigest()
     return metrics, (out / "trajectories.jsonl").read_text(), weights
 
 
-def test_two_runs_with_the_same_seed_are_identical(tmp_path):
-    (m1, t1, w1), (m2, t2, w2) = _run(tmp_path / "a"), _run(tmp_path / "b")
+def _run(out, *extra):
+    """A fresh interpreter (its own hash seed, its own imports)."""
+    res = subprocess.run([sys.executable, "-m", "polyrl", "train", str(SMOKE), "--output", str(out), *ARGS, *extra],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return _result(out)
+
+
+@pytest.fixture(scope="module")
+def forked():
+    """Runs forked from a server that imported polyrl once (tests/forkserver.py), on the machine's threads."""
+    server = ForkServer()
+
+    def run(out, *extra):
+        res = server.run(["train", str(SMOKE), "--output", str(out), *ARGS, *extra])
+        assert res.returncode == 0, res.stderr[-3000:]
+        return _result(out)
+
+    yield run
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def seed0(tmp_path_factory, forked):
+    """Two runs with seed 0: one in a fresh interpreter, one forked from the server (another interpreter, so
+    another hash seed: set and dict orders that depended on it would show)."""
+    root = tmp_path_factory.mktemp("seed0")
+    return _run(root / "a"), forked(root / "b")
+
+
+def test_two_runs_with_the_same_seed_are_identical(seed0):
+    (m1, t1, w1), (m2, t2, w2) = seed0
     assert len(m1) == STEPS and [r["step"] for r in m2] == list(range(1, STEPS + 1))
     assert timing_free(m1) == timing_free(m2)
     assert t1 == t2
@@ -46,7 +75,7 @@ def test_two_runs_with_the_same_seed_are_identical(tmp_path):
 
 
 @pytest.mark.parametrize("seed", [1])
-def test_another_seed_gives_another_run(tmp_path, seed):
+def test_another_seed_gives_another_run(tmp_path, seed0, forked, seed):
     """The check above could pass on a run that ignored its inputs; a different seed must change the result."""
-    (m1, _, w1), (m2, _, w2) = _run(tmp_path / "a"), _run(tmp_path / "b", f"train.seed={seed}")
+    (m1, _, w1), (m2, _, w2) = seed0[0], forked(tmp_path / "b", f"train.seed={seed}")
     assert timing_free(m1) != timing_free(m2) and w1 != w2

@@ -10,8 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from polyrl.observe.metrics import open_step_log
 from polyrl.train import checkpoint as ckpt_module
 from polyrl.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, save_checkpoint
 from polyrl.train.faults import DISK_FULL_AT, KILL_AT
+from tests.forkserver import ForkServer
 
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
 
@@ -86,10 +85,17 @@ def test_an_unreadable_step_log_is_one_line(tmp_path):
 
 # ---------------------------------------------------------------------------------------- whole runs
 
-def _train(out, *extra, env=None, resume=False):
-    cmd = [sys.executable, "-m", "polyrl", "train", str(SMOKE), "--output", str(out), *ARGS, *extra]
-    return subprocess.run(cmd + (["--resume"] if resume else []), capture_output=True, text=True,
-                          env={**os.environ, **ENV, **(env or {})})
+@pytest.fixture(scope="module")
+def cli():
+    """``polyrl`` runs forked from one server per module (tests/forkserver.py): real processes, real kills."""
+    server = ForkServer(ENV)
+    yield server
+    server.close()
+
+
+def _train(cli, out, *extra, env=None, resume=False):
+    argv = ["train", str(SMOKE), "--output", str(out), *ARGS, *extra, *(["--resume"] if resume else [])]
+    return cli.run(argv, env)
 
 
 def _result(out):
@@ -102,22 +108,22 @@ def _result(out):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, cli):
     out = tmp_path_factory.mktemp("reference") / "run"
-    res = _train(out)
+    res = _train(cli, out)
     assert res.returncode == 0, res.stderr[-2000:]
     return _result(out)
 
 
-def test_full_disk_during_a_checkpoint_then_resume(tmp_path, reference):
+def test_full_disk_during_a_checkpoint_then_resume(tmp_path, cli, reference):
     out = tmp_path / "run"
-    res = _train(out, env={DISK_FULL_AT: "ckpt_weights:2"})
+    res = _train(cli, out, env={DISK_FULL_AT: "ckpt_weights:2"})
     assert res.returncode != 0
     last = res.stderr.strip().splitlines()[-1]
     assert "step-2: checkpoint not written (No space left on device)" in last
     assert f"{out / 'checkpoints' / 'step-1'} is intact" in last and "Traceback" not in res.stderr
     assert [p.name for p in list_checkpoints(out)] == ["step-1"]
-    res = _train(out, resume=True)
+    res = _train(cli, out, resume=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "resumed from" in res.stderr and "step-1" in res.stderr
     assert _result(out) == reference
@@ -125,11 +131,11 @@ def test_full_disk_during_a_checkpoint_then_resume(tmp_path, reference):
 
 @pytest.mark.parametrize("kill_at", ["eval_before:0+0.05", "eval_after:3", "eval_after:3+0.05", "report:3",
                                      "report:3+0.02"])
-def test_killed_during_evaluation_or_the_report_then_resumed(tmp_path, reference, kill_at):
+def test_killed_during_evaluation_or_the_report_then_resumed(tmp_path, cli, reference, kill_at):
     out = tmp_path / "run"
-    res = _train(out, env={KILL_AT: kill_at})
+    res = _train(cli, out, env={KILL_AT: kill_at})
     assert res.returncode == -9, f"{kill_at} did not kill the run: {res.stderr[-2000:]}"
-    res = _train(out, resume=True)
+    res = _train(cli, out, resume=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert _result(out) == reference
     page = (out / "report.html").read_text()
@@ -137,14 +143,14 @@ def test_killed_during_evaluation_or_the_report_then_resumed(tmp_path, reference
     assert not list(out.glob("*.tmp"))
 
 
-def test_damaged_trajectories_file_on_resume(tmp_path, reference):
+def test_damaged_trajectories_file_on_resume(tmp_path, cli, reference):
     out = tmp_path / "run"
-    assert _train(out, env={KILL_AT: "logged:2"}).returncode == -9  # step 2 logged, its checkpoint not written
+    assert _train(cli, out, env={KILL_AT: "logged:2"}).returncode == -9  # step 2 logged, its checkpoint not written
     path = out / "trajectories.jsonl"
     lines = path.read_bytes().splitlines(keepends=True)
     lost = lines[1]
     path.write_bytes(lines[0] + b'{"step": 1, "ta\xff\n' + b"".join(lines[2:]) + b'{"step": 2, "tex')  # torn tail
-    res = _train(out, resume=True)
+    res = _train(cli, out, resume=True)
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"trajectories.jsonl: 2 unreadable line(s) dropped on resume (line 2, {len(lines) + 1})" in res.stderr
     metrics, trajectories, weights, evals = _result(out)

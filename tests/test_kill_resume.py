@@ -3,9 +3,9 @@ metrics.jsonl (timing keys aside), trajectories.jsonl and the final weights to b
 uninterrupted run with the same seed.
 
 The reference is a plain ``python -m polyrl train`` subprocess. The interrupted runs are forked, one per
-attempt, from a small server process that has imported polyrl (and torch) but run nothing: each child runs
-the same CLI entry point in a fresh process and dies by a real SIGKILL, without paying ~6 s of imports each
-time. Kills come from polyrl.train.faults (POLYRL_TEST_KILL_AT); a trace of the points reached shows
+attempt, from a server that has imported polyrl (and torch) but run nothing (tests/forkserver.py): each child
+runs the same CLI entry point in a process of its own and dies by a real SIGKILL, without paying the imports
+each time. Kills come from polyrl.train.faults (POLYRL_TEST_KILL_AT); a trace of the points reached shows
 where each kill landed.
 """
 
@@ -23,6 +23,7 @@ import torch
 from conftest import SMOKE
 
 from polyrl.train.faults import KILL_AT, TRACE
+from tests.forkserver import ForkServer
 
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
 
@@ -57,51 +58,6 @@ KILL_POINTS = [
     "ckpt_manifest:5",  # inside the last step's save (also the final one), after training finished
 ]
 
-SERVER = r"""
-import json, os, sys, traceback
-import polyrl.cli, polyrl.train.loop  # preloaded: forked children skip the imports
-for line in sys.stdin:
-    req = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.environ.update(req["env"])
-        sys.argv = ["polyrl", *req["argv"]]
-        code = 1
-        try:
-            polyrl.cli.main()
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
-"""
-
-
-class ForkServer:
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            env={**os.environ, **ENV},
-        )
-
-    def run(self, argv: list[str], env: dict[str, str], log: Path) -> int:
-        self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": str(log)}) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())["rc"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
-
-
 def comparable(path: Path) -> list[dict]:
     """metrics.jsonl rows without measured durations and rates (keys ending in ``_s``)."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
@@ -127,19 +83,17 @@ def reference(tmp_path_factory):
 def test_sigkill_at_every_point_resumes_bit_exactly(tmp_path, reference):
     run_dir, trace = tmp_path / "run", tmp_path / "trace.txt"
     argv = ["train", str(SMOKE), "--output", str(run_dir), *ARGS]
-    server = ForkServer()
+    server = ForkServer(ENV)
     landed = {}
     try:
         for n, spec in enumerate(KILL_POINTS):
             trace.write_text("")
-            log = tmp_path / f"kill-{n}.log"
-            rc = server.run(argv + (["--resume"] if n else []), {KILL_AT: spec, TRACE: str(trace)}, log)
-            assert rc == -signal.SIGKILL, f"{spec}: exit {rc}, expected SIGKILL\n{log.read_text()[-2000:]}"
+            done = server.run(argv + (["--resume"] if n else []), {KILL_AT: spec, TRACE: str(trace)})
+            assert done.returncode == -signal.SIGKILL, f"{spec}: exit {done.returncode}\n{done.stderr[-2000:]}"
             reached = trace.read_text().split()
             landed[spec] = reached[-1] if reached else None
-        log = tmp_path / "final.log"
-        rc = server.run(argv + ["--resume"], {}, log)
-        assert rc == 0, log.read_text()[-3000:]
+        done = server.run(argv + ["--resume"])
+        assert done.returncode == 0, done.stderr[-3000:]
     finally:
         server.close()
 
@@ -187,31 +141,33 @@ def test_sigkill_of_two_ranks_resumes_bit_exactly(tmp_path):
     weights, bit for bit."""
     from polyrl.parallel.checkpoint import read_model_tensors
 
-    argv = ["train", str(SMOKE), *ARGS, "learner.world_size=2", "learner.timeout_s=60"]
-    env = {**os.environ, **ENV}
+    steps = 3  # enough for both kill points
+    argv = ["train", str(SMOKE), *ARGS, f"train.steps={steps}", "learner.world_size=2", "learner.timeout_s=60"]
+    server = ForkServer(ENV)  # the launcher is forked; it spawns its ranks as a plain run does
 
     def polyrl(out: Path, *extra: str, kill: str | None = None) -> subprocess.CompletedProcess:
-        run_env = {**env, KILL_AT: kill} if kill else env
-        return subprocess.run([sys.executable, "-m", "polyrl", *argv[:2], "--output", str(out), *argv[2:], *extra],
-                              capture_output=True, text=True, env=run_env, timeout=600)
+        return server.run([*argv[:2], "--output", str(out), *argv[2:], *extra], {KILL_AT: kill} if kill else {})
 
     ref_dir, run_dir = tmp_path / "reference", tmp_path / "run"
-    assert polyrl(ref_dir).returncode == 0
-    for n, spec in enumerate(WS2_KILL_POINTS):
-        done = polyrl(run_dir, *(["--resume"] if n else []), kill=spec)
-        assert done.returncode == 2, f"{spec}: exit {done.returncode}\n{done.stderr[-2000:]}"
-        last = done.stderr.strip().splitlines()[-1]
-        assert last.startswith("error: learner rank") and "SIGKILL" in last, last
-    final = polyrl(run_dir, "--resume")
-    assert final.returncode == 0, final.stderr[-3000:]
+    try:
+        assert polyrl(ref_dir).returncode == 0
+        for n, spec in enumerate(WS2_KILL_POINTS):
+            done = polyrl(run_dir, *(["--resume"] if n else []), kill=spec)
+            assert done.returncode == 2, f"{spec}: exit {done.returncode}\n{done.stderr[-2000:]}"
+            last = done.stderr.strip().splitlines()[-1]
+            assert last.startswith("error: learner rank") and "SIGKILL" in last, last
+        final = polyrl(run_dir, "--resume")
+        assert final.returncode == 0, final.stderr[-3000:]
+    finally:
+        server.close()
 
     ref_rows, rows = comparable(ref_dir / "metrics.jsonl"), comparable(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert all(r["grad_norm"] > 0 for r in ref_rows)
     for ref_row, row in zip(ref_rows, rows, strict=True):
         assert row == ref_row, f"step {row['step']} differs after resume"
     assert (run_dir / "trajectories.jsonl").read_text() == (ref_dir / "trajectories.jsonl").read_text()
-    last = f"checkpoints/step-{STEPS}"
+    last = f"checkpoints/step-{steps}"
     ref_weights, weights = read_model_tensors(ref_dir / last), read_model_tensors(run_dir / last)
     assert ref_weights.keys() == weights.keys()
     assert all(torch.equal(ref_weights[k], weights[k]) for k in weights)

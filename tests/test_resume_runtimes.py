@@ -7,16 +7,15 @@ run, each once. Worker and learner-rank kills under Ray are in tests/test_runtim
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from collections import Counter
 
 import pytest
 from conftest import SMOKE
 
 from polyrl.train.faults import KILL_AT
+from tests.forkserver import ForkServer
 
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
 
@@ -27,15 +26,18 @@ ARGS = [
     f"rollout.group_size={GROUP}", f"logging.trajectories_per_group={GROUP}",  # every sample on file
     "algorithm.entropy_coef=0.01",
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
-ENV.pop(KILL_AT, None)
+@pytest.fixture(scope="module")
+def cli():
+    """``polyrl`` runs forked from one server (tests/forkserver.py): real processes, real kills."""
+    server = ForkServer({"OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled", KILL_AT: None})
+    yield server
+    server.close()
 
 
-def _train(run_dir, extra: list[str], kill_at: str | None = None, resume: bool = False) -> subprocess.CompletedProcess:
-    env = {**ENV, **({KILL_AT: kill_at} if kill_at else {})}
-    argv = [sys.executable, "-m", "polyrl", "train", str(SMOKE), "-o", str(run_dir), *ARGS, *extra]
-    return subprocess.run([*argv, *(["--resume"] if resume else [])], capture_output=True, text=True, env=env,
-                          timeout=600)
+def _train(cli, run_dir, extra: list[str], kill_at: str | None = None,
+           resume: bool = False) -> subprocess.CompletedProcess:
+    argv = ["train", str(SMOKE), "-o", str(run_dir), *ARGS, *extra, *(["--resume"] if resume else [])]
+    return cli.run(argv, {KILL_AT: kill_at} if kill_at else {})
 
 
 def _rows(run_dir, name: str) -> list[dict]:
@@ -51,9 +53,9 @@ def _draws(run_dir) -> dict[int, Counter]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tmp_path_factory, cli):
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    done = _train(run_dir, [])
+    done = _train(cli, run_dir, [])
     assert done.returncode == 0, done.stderr[-2000:]
     return _draws(run_dir)
 
@@ -67,12 +69,12 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_killed_run_resumes_with_nothing_lost_or_repeated(case, reference, tmp_path):
+def test_a_killed_run_resumes_with_nothing_lost_or_repeated(case, cli, reference, tmp_path):
     extra, kill_at, eta = CASES[case]
     run_dir = tmp_path / "run"
-    killed = _train(run_dir, extra, kill_at=kill_at)
+    killed = _train(cli, run_dir, extra, kill_at=kill_at)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]  # the kill landed
-    resumed = _train(run_dir, extra, resume=True)
+    resumed = _train(cli, run_dir, extra, resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr
 
