@@ -41,7 +41,7 @@ def _closed_port() -> int:
 CASES: list[tuple[str, list[str], dict[str, str]]] = [
     ("an extra missing (wandb)", ["logging.wandb=true"], {}),
     ("an extra missing (vllm)", ["engine.kind=vllm"], {}),
-    ("Ray actors the machine cannot hold (issue #45)",
+    ("Ray actors the machine cannot hold",
      ["runtime.kind=ray", "runtime.engines=disaggregated", "runtime.num_workers=1", "learner.world_size=2"], {}),
     ("a Ray cluster that does not answer", ["runtime.kind=ray", f"runtime.ray_address=127.0.0.1:{_closed_port()}"],
      {}),
