@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import ROOT, SMOKE
 
+import polyrl.endpoint.rollout
 from polyrl.algorithms.step_credit import (
     apply_step_credit,
     attribute_tree_advantages,
@@ -280,7 +281,7 @@ def test_group_rollout_numbers_env_and_agent_groups_in_request_order(monkeypatch
             {"agent/episodes": float(len(requests) * config.group_size)}
 
     monkeypatch.setattr(agents, "rollout", env_rollout)
-    monkeypatch.setattr(agents, "agent_rollout", endpoint_rollout)
+    monkeypatch.setattr(polyrl.endpoint.rollout, "agent_rollout", endpoint_rollout)  # imported where used
     cfg = load_config(SMOKE, ["rollout.group_size=2"])
     group_rollout = agents.GroupRollout(cfg)
     requests = [(agent_task, 0, {}), (env_task, 5, {}), (agent_task, 1, {}), (env_task, 6, {})]

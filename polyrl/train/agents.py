@@ -12,7 +12,6 @@ from typing import Any
 from polyrl.config import AgentsConfig, Config, ReplayConfig
 from polyrl.data.replay import PromptReplay, SuccessBuffer
 from polyrl.data.sampler import Draw, TaskSampler
-from polyrl.endpoint.rollout import agent_rollout
 from polyrl.envs.agent import AgentTask
 from polyrl.envs.base import Task
 from polyrl.rollout.arpo import arpo_rollout
@@ -64,6 +63,9 @@ class GroupRollout:
             t.group_id = env_ids[t.group_id]
         agent_requests = [(task, i, item, first_id + g) for g, ((task, i, item), agent)
                           in enumerate(zip(requests, is_agent, strict=True)) if agent]
+        # Imported here: the endpoint (fastapi, uvicorn, openai) loads only in runs that have agent tasks.
+        from polyrl.endpoint.rollout import agent_rollout
+
         trajectories, metrics = agent_rollout(engine, self.model_name, agent_requests, self.sampling, seed, version)
         add_metrics(self.agent_metrics, metrics)
         return out + trajectories

@@ -21,7 +21,6 @@ from polyrl.config import Config
 from polyrl.data.curriculum import Curriculum
 from polyrl.data.dynamic_sampling import Sampled, dynamic_sample
 from polyrl.data.sampler import TaskSampler
-from polyrl.endpoint.rollout import evaluate_agent
 from polyrl.engines import make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.agent import AgentTask
@@ -331,6 +330,8 @@ def _evaluate_tasks(run: Run, engine: HFEngine) -> dict[str, float]:
         if not task.has_eval_items:  # a dataset with nothing held out (held_out_fraction: 0, no eval_items)
             continue
         if isinstance(task, AgentTask):  # the agent's own episodes, on the endpoint (one learner rank)
+            from polyrl.endpoint.rollout import evaluate_agent  # loaded only for agent tasks (train/agents.py)
+
             accuracy[name] = evaluate_agent(engine, cfg.model.name, task, task.config.eval_size, max_new,
                                             cfg.eval.batch_size)["accuracy"]
             continue
