@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from polyrl.models.loading import load_tokenizer
+from tests.forkserver import ForkServer
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
@@ -31,3 +32,12 @@ def one_thread():
 def tok():
     """The tiny random model's tokenizer (a module may define its own ``tok`` for another model)."""
     return load_tokenizer("tiny-random")
+
+
+@pytest.fixture(scope="session")
+def polyrl_cli():
+    """``polyrl`` command lines, each in a process of its own forked from a server that imported polyrl once
+    (tests/forkserver.py), one thread each: ``polyrl_cli.run(argv, env=None, cwd=None)``."""
+    server = ForkServer({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+    yield server
+    server.close()

@@ -16,10 +16,12 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 SERVER = r"""
@@ -32,7 +34,9 @@ for line in sys.stdin:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the requests stay the server's
         for fd, path in ((1, req["stdout"]), (2, req["stderr"])):
             os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-        os.environ.update(req["env"])
+        for key, value in req["env"].items():  # None: unset
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+        os.chdir(req["cwd"])
         sys.argv = ["polyrl", *req["argv"]]
         code = 1
         try:
@@ -59,28 +63,34 @@ class ForkServer:
         self.logs = Path(tempfile.mkdtemp(prefix="polyrl-fork-"))
         environ = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
         self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=environ)
+                                     bufsize=0, env=environ)
         self.runs = 0
 
-    def _reply(self, timeout: float | None) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise TimeoutError
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the fork server exited (code {self.proc.poll()})")
+    def _reply(self, timeout: float) -> dict:
+        """The server's next line, read unbuffered (a buffered reader could hold the next reply where select
+        cannot see it); TimeoutError past ``timeout`` seconds."""
+        line, deadline, fd = b"", time.monotonic() + timeout, self.proc.stdout.fileno()
+        while not line.endswith(b"\n"):
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise TimeoutError
+            byte = os.read(fd, 1)
+            if not byte:
+                raise RuntimeError(f"the fork server exited (code {self.proc.poll()})")
+            line += byte
         return json.loads(line)
 
-    def run(self, argv: list[str], env: dict[str, str] | None = None,
-            timeout: float = 600.0) -> subprocess.CompletedProcess:
-        """``polyrl *argv`` with ``env`` added to the environment; its exit code (negative: killed by that
-        signal) and output, as ``subprocess.run(..., capture_output=True, text=True)`` gives them. A run past
-        ``timeout`` seconds is killed and raises ``subprocess.TimeoutExpired``."""
+    def run(self, argv: list[str], env: dict[str, str] | None = None, timeout: float = 600.0,
+            cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+        """``polyrl *argv`` with ``env`` added to the environment (None unsets a variable), in ``cwd`` (default:
+        this process's); its exit code (negative: killed by that signal) and output, as ``subprocess.run(...,
+        capture_output=True, text=True)`` gives them. A run past ``timeout`` seconds is killed and raises
+        ``subprocess.TimeoutExpired``."""
         self.runs += 1
         out, err = self.logs / f"{self.runs}.out", self.logs / f"{self.runs}.err"
-        request = {"argv": [str(a) for a in argv], "env": env or {}, "stdout": str(out), "stderr": str(err)}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
+        request = {"argv": [str(a) for a in argv], "env": env or {}, "stdout": str(out), "stderr": str(err),
+                   "cwd": str(cwd or os.getcwd())}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
         pid = self._reply(30)["pid"]
         try:
             rc = self._reply(timeout)["rc"]
@@ -94,3 +104,4 @@ class ForkServer:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=30)
+        shutil.rmtree(self.logs, ignore_errors=True)

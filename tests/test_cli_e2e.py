@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 
 import pytest
 from conftest import SMOKE
@@ -22,15 +21,17 @@ REQUIRED = [
 ]
 
 
-def polyrl(*args, check=True):
-    return subprocess.run(
-        [sys.executable, "-m", "polyrl", *args], capture_output=True, text=True, check=check
-    )
+def polyrl(cli, *args, check=True):
+    """``polyrl *args`` forked from the tests' server (conftest ``polyrl_cli``); ``check``: exit 0 required."""
+    res = cli.run(list(args))
+    if check and res.returncode != 0:
+        raise subprocess.CalledProcessError(res.returncode, res.args, res.stdout, res.stderr)
+    return res
 
 
-def test_train_smoke_writes_the_run_contract(tmp_path):
+def test_train_smoke_writes_the_run_contract(polyrl_cli, tmp_path):
     out = tmp_path / "run"
-    polyrl("train", str(SMOKE), "--output", str(out))
+    polyrl(polyrl_cli, "train", str(SMOKE), "--output", str(out))
     assert (out / "config.yaml").exists()
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
@@ -56,21 +57,23 @@ def test_train_smoke_writes_the_run_contract(tmp_path):
     assert (out / "tensorboard").is_dir()
 
 
-def test_eval_prints_accuracy_json(tmp_path):
-    res = polyrl("eval", "--model", "tiny-random", "--task", "chain_sum", "--n", "4", "--max-new-tokens", "4")
+def test_eval_prints_accuracy_json(polyrl_cli, tmp_path):
+    res = polyrl(polyrl_cli, "eval", "--model", "tiny-random", "--task", "chain_sum", "--n", "4",
+                 "--max-new-tokens", "4")
     data = json.loads(res.stdout.strip().splitlines()[-1])
     assert data["n"] == 4 and 0.0 <= data["accuracy"] <= 1.0
 
 
-def test_eval_unknown_task_lists_valid_ones():
-    res = polyrl("eval", "--model", "tiny-random", "--task", "chain_sums", "--n", "2", check=False)
+def test_eval_unknown_task_lists_valid_ones(polyrl_cli):
+    res = polyrl(polyrl_cli, "eval", "--model", "tiny-random", "--task", "chain_sums", "--n", "2", check=False)
     assert res.returncode == 2
     assert "unknown task 'chain_sums'" in res.stderr and "chain_sum" in res.stderr
     assert "Traceback" not in res.stderr
 
 
-def test_missing_model_path_says_so(tmp_path):
+def test_missing_model_path_says_so(polyrl_cli, tmp_path):
     res = polyrl(
+        polyrl_cli,
         "train", str(SMOKE), "--output", str(tmp_path / "r"), f"model.name={tmp_path}/nope", check=False
     )
     assert res.returncode == 2

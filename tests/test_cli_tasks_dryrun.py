@@ -1,8 +1,6 @@
 """``polyrl tasks`` (one line per task or env) and ``polyrl train --dry-run`` (validate, print, estimate)."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 from conftest import SMOKE
@@ -11,15 +9,16 @@ from polyrl.models.device import native_bf16
 from polyrl.observe.catalog import one_line
 
 
-def polyrl(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "polyrl", *args], capture_output=True, text=True, cwd=cwd)
+def polyrl(cli, *args, cwd=None):
+    """``polyrl *args`` forked from the tests' server (conftest ``polyrl_cli``)."""
+    return cli.run(list(args), cwd=cwd)
 
 
 @pytest.mark.slow
-def test_tasks_lists_every_reasoning_gym_dataset_with_a_description():
+def test_tasks_lists_every_reasoning_gym_dataset_with_a_description(polyrl_cli):
     from reasoning_gym.factory import DATASETS
 
-    res = polyrl("tasks")
+    res = polyrl(polyrl_cli, "tasks")
     assert res.returncode == 0, res.stderr
     section = res.stdout.split("reasoning-gym tasks (tasks[].name):\n")[1]
     lines = [line for line in section.splitlines() if line.strip()]
@@ -33,11 +32,11 @@ def test_tasks_lists_every_reasoning_gym_dataset_with_a_description():
 
 
 @pytest.mark.slow
-def test_tasks_lists_registered_environments():
+def test_tasks_lists_registered_environments(polyrl_cli):
     from polyrl.observe.catalog import environments
 
     envs = environments()
-    res = polyrl("tasks")
+    res = polyrl(polyrl_cli, "tasks")
     if envs:
         assert "environments (tasks[].env):" in res.stdout
         for name, desc in envs:
@@ -56,9 +55,10 @@ def test_one_line_descriptions():
 
 
 @pytest.mark.slow
-def test_dry_run_validates_prints_and_estimates_without_training(tmp_path):
+def test_dry_run_validates_prints_and_estimates_without_training(polyrl_cli, tmp_path):
     out = tmp_path / "run"
-    res = polyrl("train", str(SMOKE), "--dry-run", "--output", str(out), "rollout.group_size=3", cwd=tmp_path)
+    res = polyrl(polyrl_cli, "train", str(SMOKE), "--dry-run", "--output", str(out), "rollout.group_size=3",
+                 cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     text = res.stdout
     assert "valid. Resolved config:" in text
@@ -80,8 +80,8 @@ def test_dry_run_validates_prints_and_estimates_without_training(tmp_path):
 
 
 @pytest.mark.slow
-def test_dry_run_bad_config_is_one_line_naming_the_key(tmp_path):
-    res = polyrl("train", str(SMOKE), "--dry-run", "rollout.group_size=0")
+def test_dry_run_bad_config_is_one_line_naming_the_key(polyrl_cli, tmp_path):
+    res = polyrl(polyrl_cli, "train", str(SMOKE), "--dry-run", "rollout.group_size=0")
     assert res.returncode == 2
     assert "rollout.group_size" in res.stderr and "Traceback" not in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1

@@ -4,10 +4,7 @@ stage 2 and --resume, the task x stage table and registry, and a regression that
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,7 +37,6 @@ THREE_STAGES = [
     # is named (the base model) so that the stage has something to teach.
     {"name": "distill", "kind": "distill", "steps": 1, "teachers": {"chain_sum": "tiny-random"}},
 ]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def write_config(path: Path, stages: list[dict], **extra) -> Path:
@@ -48,8 +44,9 @@ def write_config(path: Path, stages: list[dict], **extra) -> Path:
     return path
 
 
-def polyrl(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "polyrl", *args], capture_output=True, text=True, env=env or ENV)
+def polyrl(cli, *args, env=None):
+    """``polyrl *args`` forked from the tests' server (conftest ``polyrl_cli``, one thread)."""
+    return cli.run(list(args), env)
 
 
 def weights_digest(checkpoint: str) -> str:
@@ -57,10 +54,10 @@ def weights_digest(checkpoint: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def three_stage_run(tmp_path_factory):
+def three_stage_run(tmp_path_factory, polyrl_cli):
     tmp = tmp_path_factory.mktemp("pipe")
     cfg = write_config(tmp / "pipe.yaml", THREE_STAGES)
-    res = polyrl("train", str(cfg), "--output", str(tmp / "run"))
+    res = polyrl(polyrl_cli, "train", str(cfg), "--output", str(tmp / "run"))
     assert res.returncode == 0, res.stderr[-3000:]
     return cfg, tmp / "run", res
 
@@ -113,18 +110,18 @@ def test_table_and_registry_hold_every_task_and_its_best(three_stage_run):
 
 
 @pytest.mark.slow
-def test_sigkill_in_stage_two_resumes_there(tmp_path, three_stage_run):
+def test_sigkill_in_stage_two_resumes_there(tmp_path, three_stage_run, polyrl_cli):
     cfg, reference, _ = three_stage_run
     run = tmp_path / "run"
-    killed = polyrl("train", str(cfg), "--output", str(run), env={**ENV, KILL_AT: "rollout:2"})
+    killed = polyrl(polyrl_cli, "train", str(cfg), "--output", str(run), env={KILL_AT: "rollout:2"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     state = json.loads((run / "stages.json").read_text())
     assert [r["label"] for r in state["rows"]] == ["base", "1-sft"]  # stage 2 was interrupted
     assert (run / "stages/2-rl/checkpoints/step-1").is_dir()
     sft_metrics = (run / "stages/1-sft/metrics.jsonl").read_text()
-    again = polyrl("train", str(cfg), "--output", str(run))
+    again = polyrl(polyrl_cli, "train", str(cfg), "--output", str(run))
     assert again.returncode == 2 and "--resume" in again.stderr  # never silently overwritten
-    resumed = polyrl("train", str(cfg), "--output", str(run), "--resume")
+    resumed = polyrl(polyrl_cli, "train", str(cfg), "--output", str(run), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "stage 1-sft" not in resumed.stderr and "resumed from" in resumed.stderr and "step-1" in resumed.stderr
     assert (run / "stages/1-sft/metrics.jsonl").read_text() == sft_metrics  # the finished stage is untouched

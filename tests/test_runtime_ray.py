@@ -88,16 +88,16 @@ def test_collective_weight_sync_gives_the_object_store_run(object_store_run, tmp
     assert all(r["sync/engines_bytes"] > 0 and r["sync/engines_failed"] == 0 for r in rows[:-1])
 
 
-def test_sharded_learner_with_disaggregated_workers_survives_a_worker_lost_in_a_sync(object_store_run, tmp_path):
+def test_sharded_learner_with_disaggregated_workers_survives_a_worker_lost_in_a_sync(object_store_run, tmp_path,
+                                                                                     polyrl_cli):
     """learner.world_size 2 under Ray with disaggregated workers: rank 0 drives the workers, both ranks
     gather the weights for the collective sync. Worker 1 dies inside step 2's sync: every worker is
     replaced with the weights of version 2, and the run equals the world-size-1 run (samples identical,
     updates within float32 reduction order)."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1", KILL_AT: "worker1.0.sync:2"}
+    env = {"RAY_AUTH_MODE": "disabled", KILL_AT: "worker1.0.sync:2"}
     args = [*BASE, "runtime.engines=disaggregated", "learner.world_size=2", "runtime.ray_num_cpus=4",
             "learner.timeout_s=60"]
-    run = subprocess.run([sys.executable, "-m", "polyrl", "train", str(SMOKE), "-o", str(tmp_path / "run"), *args],
-                         capture_output=True, text=True, env=env, timeout=600)
+    run = polyrl_cli.run(["train", str(SMOKE), "-o", str(tmp_path / "run"), *args], env)  # conftest: one thread
     assert run.returncode == 0, run.stderr[-3000:]
     rows, ref = _lines(tmp_path / "run", "metrics.jsonl"), _lines(object_store_run, "metrics.jsonl")
     assert [r["sync/engines_failed"] for r in rows[:-1]] == [0, 1]
@@ -120,7 +120,7 @@ def test_ray_temp_dir_stays_short_enough_for_unix_sockets(tmp_path):
     assert len(chosen + "/session_2026-11-30_08-56-45_437273_29596/sockets/plasma_store") <= 107
 
 
-def test_learner_ranks_as_actors_restart_from_the_checkpoint_when_one_is_lost(tmp_path):
+def test_learner_ranks_as_actors_restart_from_the_checkpoint_when_one_is_lost(tmp_path, polyrl_cli):
     """runtime.kind ray with learner.world_size 2: the ranks are actors in a placement group; one killed
     inside step 2's update takes every rank down, and the driver starts them again from step 1's checkpoint.
     The run ends with every step logged once and the same metrics as an uninterrupted local 2-rank run."""
@@ -129,15 +129,12 @@ def test_learner_ranks_as_actors_restart_from_the_checkpoint_when_one_is_lost(tm
     args = ["eval.before=false", "eval.after=false", "logging.report=false", "logging.tensorboard=false",
             "train.steps=3", "train.checkpoint_every=1", "algorithm.entropy_coef=0.05", "optim.lr=0.01",
             "learner.world_size=2", "learner.timeout_s=60"]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    env.pop(KILL_AT, None)
-    ref = subprocess.run([sys.executable, "-m", "polyrl", "train", str(SMOKE), "-o", str(tmp_path / "ref"), *args],
-                         capture_output=True, text=True, env=env, timeout=600)
+    env = {"RAY_AUTH_MODE": "disabled", KILL_AT: None}  # forked runs (conftest polyrl_cli), one thread each
+    ref = polyrl_cli.run(["train", str(SMOKE), "-o", str(tmp_path / "ref"), *args], env)
     assert ref.returncode == 0, ref.stderr[-2000:]
     killed = {**env, KILL_AT: "update:2+0.01", KILL_ONCE: str(tmp_path / "killed-once")}
-    run = subprocess.run([sys.executable, "-m", "polyrl", "train", str(SMOKE), "-o", str(tmp_path / "run"), *args,
-                          "runtime.kind=ray", "runtime.ray_num_cpus=2"],
-                         capture_output=True, text=True, env=killed, timeout=600)
+    run = polyrl_cli.run(["train", str(SMOKE), "-o", str(tmp_path / "run"), *args, "runtime.kind=ray",
+                          "runtime.ray_num_cpus=2"], killed)
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "killed-once").exists()  # the kill happened
     assert "restarting all ranks from the newest checkpoint" in run.stdout + run.stderr
