@@ -44,6 +44,24 @@ def check_agent_sdk(config: Config) -> None:
                              "installed; pip install 'polyrl[agents]'")
 
 
+def check_engine_hooks(config: Config) -> None:
+    """Features that end or read rows while they are sampled need the HF engine's per-step hooks, which vLLM
+    (one whole request at a time) does not have: agent tasks (the endpoint ends each request's rows at its own
+    token limit and stop strings, streams tokens and drops a gone client's rows), early termination and ARPO
+    (token entropies). Refused here rather than failing every rollout batch."""
+    if config.engine.kind != "vllm":
+        return
+    agents = [i for i, task in enumerate(config.tasks) if task.agent is not None]
+    if agents:
+        raise ValueError(f"tasks.{agents[0]}.agent: agent tasks need engine.kind: hf (the endpoint ends rows "
+                         "while they are sampled, which vllm cannot)")
+    hooks = (("agents.early_stop", config.agents.early_stop.enabled), ("agents.arpo", config.agents.arpo.enabled))
+    for key, on in hooks:
+        if on:
+            raise ValueError(f"{key}: needs engine.kind: hf (it reads each token as it is sampled, which vllm "
+                             "cannot)")
+
+
 def check_machine(config: Config) -> None:
     """What a run needs of this machine, checked by ``polyrl train`` before any model loads (not by
     ``load_config``: a config may be loaded to plan a run elsewhere). vLLM for ``engine.kind: vllm``, room on a
@@ -75,6 +93,7 @@ def check_names(config: Config) -> None:
     for i, task in enumerate(config.tasks):
         check_task(task, key=f"tasks.{i}")
     check_agent_sdk(config)
+    check_engine_hooks(config)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, data: dict | None = None) -> Config:

@@ -108,3 +108,20 @@ def test_a_missing_optional_package_fails_when_the_config_loads(monkeypatch):
             as err:
         config_check.load_config(None, data=data)
     assert "\n" not in str(err.value)
+
+
+def test_vllm_refuses_features_that_end_or_read_rows_while_sampling(tmp_path, monkeypatch):
+    """vLLM has no per-step hook: agent tasks, early termination and ARPO are refused at load, in one line."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hook_agent.py").write_text("async def run(client, item):\n    return 1.0\n")
+    base = {"model": {"name": "tiny-random"}, "tasks": [{"name": "chain_sum"}], "engine": {"kind": "vllm"}}
+    agent = {"tasks": [{"name": "chain_sum"}, {"name": "a", "agent": "hook_agent:run", "items": [{}]}]}
+    cases = [(agent, "tasks.1.agent: agent tasks need engine.kind: hf"),
+             ({"agents": {"early_stop": {"enabled": True}}}, "agents.early_stop: needs engine.kind: hf"),
+             ({"agents": {"arpo": {"enabled": True}}}, "agents.arpo: needs engine.kind: hf")]
+    for extra, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)) as err:
+            load_config(None, data={**base, **extra})
+        assert "\n" not in str(err.value)
+        assert load_config(None, data={**base, **extra, "engine": {"kind": "hf"}}).engine.kind == "hf"
+    assert load_config(None, data=base).engine.kind == "vllm"
