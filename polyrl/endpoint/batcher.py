@@ -3,9 +3,13 @@
 Requests wait in the queue while the engine is busy; when it is free, everything queued (with the same sampling
 settings) goes in one batch. Before a batch starts, the queue stays open while requests keep arriving (each
 within ``window_s`` of the last, for at most ``max_wait_s``). In an agent rollout, where ``expected`` counts the
-live episodes, it stays open until all of them are waiting, for at most half the last batch's time. Each
-request's own token limit and stop strings end its rows through the engine's ``stop`` hook, so one long request
-does not lengthen the others.
+live episodes, it stays open until all of them are waiting, for at most half the last batch's time.
+
+The engine's per-step ``stop`` hook does four things for each live row: it hands a streaming request its tokens
+as they are sampled, ends the row at its own request's token limit or stop string (so one long request does not
+lengthen the others), and ends the rows of a request whose caller has gone (a client that disconnected, a
+closed episode) at the next step. A request with its own ``seed`` runs in a batch of its own, its generator
+seeded with it, so its samples do not depend on what else was queued.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any
 from polyrl.endpoint.chat import Sample
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: queue removal by identity
 class Job:
     prompt_ids: list[int]
     n: int
@@ -31,8 +35,18 @@ class Job:
     stops: list[str]
     future: asyncio.Future
     owner: str | None = None
-    """The episode that asked; its queued jobs are dropped when it is closed."""
+    """The episode that asked; its jobs are dropped when it is closed."""
+    seed: int | None = None
+    """The request's own seed: the job runs alone, sampled with it (None: the batcher's seed)."""
+    tokens: asyncio.Queue | None = None
+    """Given: receives (choice, token id, log-prob) as each token is sampled, then None when the job is done."""
     queued_at: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    """Its caller has gone: its rows end at the next decoding step (read from the engine's thread)."""
+
+    def finish(self) -> None:
+        if self.tokens is not None:
+            self.tokens.put_nowait(None)
 
 
 class Batcher:
@@ -52,22 +66,37 @@ class Batcher:
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._busy = False
+        self._running: list[Job] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="endpoint-engine")
 
     async def submit(self, job: Job) -> list[Sample]:
+        """The job's samples; cancelling the caller (a client gone) cancels the job."""
         if self._task is None:
+            self._loop = asyncio.get_running_loop()
             self._wake = asyncio.Event()
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            self._task = self._loop.create_task(self._run())
         self._queue.append(job)
         self._wake.set()
-        return await job.future
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            self.cancel(job)
+            raise
+
+    def cancel(self, job: Job) -> None:
+        """Take ``job`` out of the queue, or end its rows at the running batch's next step."""
+        job.cancelled = True
+        if job in self._queue:
+            self._queue.remove(job)
+        if not job.future.done():
+            job.future.cancel()
+        job.finish()  # a stream waiting on its tokens ends
 
     def drop(self, owner: str) -> None:
-        """Forget the queued jobs of ``owner`` (a closed episode); a batch already running finishes."""
-        for job in [j for j in self._queue if j.owner == owner]:
-            self._queue.remove(job)
-            if not job.future.done():
-                job.future.cancel()
+        """Cancel the jobs of ``owner`` (a closed episode), queued or running."""
+        for job in [j for j in self._queue + self._running if j.owner == owner]:
+            self.cancel(job)
 
     @property
     def idle(self) -> bool:
@@ -80,7 +109,9 @@ class Batcher:
             while self._queue:
                 await self._gather()
                 batch = self._take()
-                self._busy = True
+                if not batch:
+                    continue
+                self._busy, self._running = True, batch
                 try:
                     results = await asyncio.get_running_loop().run_in_executor(self._worker, self._generate, batch)
                 except Exception as exc:  # noqa: BLE001 - a failed batch fails its requests, not the server
@@ -92,7 +123,9 @@ class Batcher:
                         if not job.future.done():
                             job.future.set_result(samples)
                 finally:
-                    self._busy = False
+                    for job in batch:
+                        job.finish()
+                    self._busy, self._running = False, []
 
     async def _gather(self) -> None:
         """Wait for more requests while they keep coming (each within ``window_s`` of the last, for at most
@@ -100,7 +133,7 @@ class Batcher:
         # With callers known (an agent rollout), waiting up to half a batch's time for stragglers is cheaper than
         # the extra batch they would otherwise need (what a loaded machine's slow thread starts cause).
         longest = max(self.max_wait_s, 0.5 * self.last_batch_s) if self.expected is not None else self.max_wait_s
-        while self.expected is None or len(self._queue) < self.expected():
+        while self._queue and (self.expected is None or len(self._queue) < self.expected()):
             window = self.window_s if self.expected is None else longest
             deadline = min(self._queue[0].queued_at + longest, self._queue[-1].queued_at + window)
             if time.monotonic() >= deadline:
@@ -108,10 +141,18 @@ class Batcher:
             await asyncio.sleep(min(0.002, deadline - time.monotonic()))
 
     def _take(self) -> list[Job]:
-        key = (self._queue[0].temperature, self._queue[0].top_p)
+        for job in [j for j in self._queue if j.future.done()]:  # cancelled while queued
+            self._queue.remove(job)
+        if not self._queue:
+            return []
+        first = self._queue[0]
+        if first.seed is not None:  # alone: its samples must not depend on what else is queued
+            return [self._queue.pop(0)]
+        key = (first.temperature, first.top_p)
         batch, rows = [], 0
         for job in list(self._queue):
-            if (job.temperature, job.top_p) == key and (not batch or rows + job.n <= self.max_rows):
+            fits = not batch or rows + job.n <= self.max_rows
+            if job.seed is None and (job.temperature, job.top_p) == key and fits:
                 batch.append(job)
                 rows += job.n
                 self._queue.remove(job)
@@ -130,52 +171,53 @@ class Batcher:
             inputs, n = [list(u) for u in unique], per
         else:
             order, inputs, n = list(range(len(rows))), [list(p) for p in prompts], 1
-        limits = [rows[order[o]].max_tokens for o in range(len(order))]
-        stops = [rows[order[o]].stops for o in range(len(order))]
-        longest = max(limits)
-        hook, cut = self._stop_hook(limits, longest, stops)
+        choice = [k for job in batch for k in range(job.n)]  # rows index -> its choice within its job
+        who = [(rows[order[o]], choice[order[o]]) for o in range(len(order))]  # output row -> (job, choice)
+        hook, cut = self._stop_hook(who)
+        seed = batch[0].seed if batch[0].seed is not None else self.seed + self.batches + 1
         self.batches += 1
         self.batch_rows.append(len(rows))
         started = time.perf_counter()
-        groups = self.engine.generate(inputs, n, longest, rows[0].temperature, rows[0].top_p,
-                                      self.seed + self.batches, **({"stop": hook} if hook else {}))
+        groups = self.engine.generate(inputs, n, max(job.max_tokens for job in batch), rows[0].temperature,
+                                      rows[0].top_p, seed, stop=hook)
         self.last_batch_s = time.perf_counter() - started
         flat = [c for group in groups for c in group]
         samples: list[Sample | None] = [None] * len(rows)
         for o, completion in enumerate(flat):
-            samples[order[o]] = self._sample(completion, o in cut, stops[o])
+            samples[order[o]] = self._sample(completion, o in cut, who[o][0].stops)
         out, i = [], 0
         for job in batch:
             out.append(samples[i : i + job.n])
             i += job.n
         return out
 
-    def _stop_hook(self, limits: list[int], longest: int, stops: list[list[str]]):
-        """The engine's ``stop`` hook when rows differ in limit or have stop strings; also which rows it cut at
-        a stop string."""
-        if all(limit == longest for limit in limits) and not any(stops):
-            return None, set()
+    def _stop_hook(self, who: list[tuple[Job, int]]):
+        """The engine's ``stop`` hook for output rows played by ``who`` (job, choice), and the set of rows it
+        cut at a stop string."""
         tok = self.engine.tokenizer
         made: dict[int, list[int]] = {}
+        cut: set[int] = set()
+        post = self._loop.call_soon_threadsafe
 
         def decode(ids: list[int]) -> str:
             return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-        cut: set[int] = set()
-
         def hook(live, tokens, logprobs, entropies) -> list[bool]:
             flags = []
-            for row, token in zip(live, tokens, strict=True):
+            for row, token, logprob in zip(live, tokens, logprobs, strict=True):
+                job, k = who[row]
                 ids = made.setdefault(row, [])
                 ids.append(token)
-                hit = bool(stops[row]) and any(s in decode(ids) for s in stops[row])
+                if job.tokens is not None:
+                    post(job.tokens.put_nowait, (k, token, logprob))
+                hit = bool(job.stops) and any(s in decode(ids) for s in job.stops)
                 if hit:
                     cut.add(row)
-                flags.append(hit or len(ids) >= limits[row])
+                flags.append(hit or job.cancelled or len(ids) >= job.max_tokens)
             return flags
 
+        hook.reads_entropy = False  # type: ignore[attr-defined]  # runs on every batch: spare the engine the softmax
         return hook, cut
-
     def _sample(self, completion: Any, cut_at_stop: bool, stops: list[str]) -> Sample:
         tok = self.engine.tokenizer
         ids = completion.token_ids

@@ -152,14 +152,15 @@ class Conversation:
                 return Rendered(template, full, ids)
         return Rendered(template, full, renderer.encode(full))
 
+    def calls(self, sample: Sample) -> list[ToolCall]:
+        """The tool calls a sample makes; none when any is malformed (the agent then sees what was said)."""
+        parsed = self.parser.parse(sample.content)
+        return parsed.calls if parsed.calls and not parsed.errors else []
+
     def reply(self, sample: Sample, parse_tools: bool) -> tuple[dict[str, Any], str]:
         """The OpenAI message of one sample and its finish reason; remembers it for later histories."""
         text = sample.content
-        calls: list[ToolCall] = []
-        if parse_tools:
-            parsed = self.parser.parse(text)
-            if parsed.calls and not parsed.errors:  # a malformed call stays text: the agent sees what was said
-                calls = parsed.calls
+        calls = self.calls(sample) if parse_tools else []
         if calls:
             content = _TAG_BLOCK.sub("", text).strip() if "<tool_call>" in text else ""
             message: dict[str, Any] = {

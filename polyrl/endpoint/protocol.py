@@ -1,7 +1,8 @@
 """The OpenAI chat-completions request as the endpoint reads it, and OpenAI-style errors.
 
 Fields the endpoint does not act on (``user``, ``metadata``, ``parallel_tool_calls``, penalties, ...) are
-accepted and ignored, as clients such as the Agents SDK send them; ``stream`` and ``top_logprobs`` are refused.
+accepted and ignored, as clients such as the Agents SDK send them; ``top_logprobs`` above 0 is refused (the
+engine returns the sampled token's log-prob only).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class ChatRequest(BaseModel):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     seed: int | None = None
     stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
 
     @property
     def stops(self) -> list[str]:
@@ -66,6 +68,24 @@ class ChatRequest(BaseModel):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and (self.stream_options or {}).get("include_usage"))
+
+    @property
+    def parses_tools(self) -> bool:
+        """Whether replies are read for tool calls (tools given and ``tool_choice`` is not ``none``)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def required_call(self) -> str | None:
+        """What a reply must call: ``""`` any tool (``required``), a name (a named function), None nothing."""
+        if self.tool_choice == "required":
+            return ""
+        if isinstance(self.tool_choice, dict):
+            return self.tool_choice["function"]["name"]
+        return None
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         return [t.model_dump(exclude_none=True) for t in self.tools or []]
@@ -82,8 +102,8 @@ def parse_request(body: Any) -> ChatRequest:
         param = ".".join(str(p) for p in first["loc"]) or None
         msg = "is required" if first["type"] == "missing" else first["msg"]
         raise RequestError(f"{param}: {msg}" if param else msg, param) from None
-    if request.stream:
-        raise RequestError("stream: streaming is not supported by this endpoint", "stream")
+    if request.stream_options is not None and not request.stream:
+        raise RequestError("stream_options: only allowed with stream: true", "stream_options")
     if request.top_logprobs:
         raise RequestError("top_logprobs: only the sampled token's log-prob is returned (top_logprobs 0)",
                            "top_logprobs")

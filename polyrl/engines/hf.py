@@ -37,7 +37,8 @@ class Completion:
 StopFn = Callable[[list[int], list[int], list[float], list[float] | None], list[bool]]
 """``stop(rows, tokens, logprobs, entropies) -> flags``: called after each decoding step with the output rows
 still alive (``prompt * n + sample``), the token each just sampled and its log-prob (and entropy); rows
-flagged True end there."""
+flagged True end there. A hook with ``reads_entropy = False`` gets None for the entropies unless
+``generate(entropy=True)``: they cost a softmax over the vocabulary per row and step."""
 
 
 def sampling_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -286,10 +287,11 @@ class HFEngine:
         finished = [False] * total
         stopped = [False] * total
         ents: list[list[float]] | None = [[] for _ in range(total)] if entropy else None
+        reads_entropy = stop is not None and getattr(stop, "reads_entropy", True)
 
         for step in range(max_new_tokens):
             tok, lp = sample_tokens(logits, temperature, top_p, generator, self.native_sampling)
-            ent = sampling_entropy(logits, temperature) if (entropy or stop) else None
+            ent = sampling_entropy(logits, temperature) if (entropy or reads_entropy) else None
             # The step's one wait for the device: tokens, log-probs (and entropies) in one copy.
             tok_list, lp_list, *ent_lists = to_host_lists(tok, lp, *([ent] if ent is not None else []))
             ent_list = ent_lists[0] if ent_lists else None
