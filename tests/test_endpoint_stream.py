@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 
 import httpx
@@ -267,6 +268,34 @@ def test_non_canonical_sampled_ids_are_trained_as_sampled(tok):
     assert traj.input_ids[a:b] == letters + [tok.eos_token_id] == traj.input_ids[c:d]
     assert set(traj.loss_mask[a:b]) == {1} == set(traj.loss_mask[c:d]) and set(traj.loss_mask[b:c]) == {0}
     assert tok(tok.decode(traj.input_ids), add_special_tokens=False).input_ids != traj.input_ids  # not a re-encoding
+    server.stop()
+
+
+# --- log-probs -------------------------------------------------------------------------------------------------
+
+def test_top_logprobs_list_the_likeliest_tokens_streamed_or_not(tiny):
+    server = serve(tiny)
+    kw = {"model": "tiny", "messages": ASK, "max_tokens": 6, "logprobs": True, "top_logprobs": 3}
+
+    async def main():
+        async with client(server) as c:
+            greedy = await c.chat.completions.create(temperature=0, **kw)
+            sampled = await c.chat.completions.create(temperature=1.0, seed=1, **kw)
+            streamed = await _stream(c, temperature=1.0, seed=1, **kw)
+            plain = await c.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=1.0, seed=1)
+        return greedy, sampled, streamed, plain
+
+    greedy, sampled, streamed, plain = asyncio.run(main())
+    assert sampled.choices[0].message.content == plain.choices[0].message.content  # listing them changes no token
+    for entry in greedy.choices[0].logprobs.content:  # greedy: the token taken is the likeliest
+        (top, *rest) = entry.top_logprobs
+        assert len(rest) == 2 and top.token == entry.token and top.logprob == pytest.approx(entry.logprob, abs=1e-4)
+    for entry in sampled.choices[0].logprobs.content:
+        values = [t.logprob for t in entry.top_logprobs]
+        assert values == sorted(values, reverse=True) and entry.logprob <= values[0] + 1e-4
+        assert sum(math.exp(v) for v in values) <= 1 + 1e-4
+    whole = [e for d in _deltas(streamed) if d.logprobs for e in d.logprobs.content]
+    assert [e.model_dump() for e in whole] == [e.model_dump() for e in sampled.choices[0].logprobs.content]
     server.stop()
 
 

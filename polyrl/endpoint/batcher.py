@@ -38,6 +38,7 @@ class Job:
     """The episode that asked; its jobs are dropped when it is closed."""
     seed: int | None = None
     """The request's own seed: the job runs alone, sampled with it (None: the batcher's seed)."""
+    top_logprobs: int = 0
     tokens: asyncio.Queue | None = None
     """Given: receives (choice, token id, log-prob) as each token is sampled, then None when the job is done."""
     queued_at: float = field(default_factory=time.monotonic)
@@ -178,13 +179,14 @@ class Batcher:
         self.batches += 1
         self.batch_rows.append(len(rows))
         started = time.perf_counter()
+        top = max(job.top_logprobs for job in batch)  # asked of the engine only when a request wants them
         groups = self.engine.generate(inputs, n, max(job.max_tokens for job in batch), rows[0].temperature,
-                                      rows[0].top_p, seed, stop=hook)
+                                      rows[0].top_p, seed, stop=hook, **({"top_logprobs": top} if top else {}))
         self.last_batch_s = time.perf_counter() - started
         flat = [c for group in groups for c in group]
         samples: list[Sample | None] = [None] * len(rows)
         for o, completion in enumerate(flat):
-            samples[order[o]] = self._sample(completion, o in cut, who[o][0].stops)
+            samples[order[o]] = self._sample(completion, o in cut, who[o][0])
         out, i = [], 0
         for job in batch:
             out.append(samples[i : i + job.n])
@@ -218,12 +220,14 @@ class Batcher:
 
         hook.reads_entropy = False  # type: ignore[attr-defined]  # runs on every batch: spare the engine the softmax
         return hook, cut
-    def _sample(self, completion: Any, cut_at_stop: bool, stops: list[str]) -> Sample:
+
+    def _sample(self, completion: Any, cut_at_stop: bool, job: Job) -> Sample:
         tok = self.engine.tokenizer
         ids = completion.token_ids
         eos = completion.finished and bool(ids) and ids[-1] in self.engine.stop_ids
         raw = tok.decode(ids[:-1] if eos else ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         content = raw
         if cut_at_stop:
-            content = raw[: min(raw.find(s) for s in stops if s in raw)]
-        return Sample(list(ids), list(completion.logprobs), raw, eos, cut_at_stop, content)
+            content = raw[: min(raw.find(s) for s in job.stops if s in raw)]
+        tops = [step[: job.top_logprobs] for step in completion.top_logprobs] if job.top_logprobs else None
+        return Sample(list(ids), list(completion.logprobs), raw, eos, cut_at_stop, content, tops)

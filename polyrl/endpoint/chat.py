@@ -46,6 +46,8 @@ class Sample:
     cut_at_stop_string: bool = False
     content: str = ""
     """What the endpoint returned as text (cut at a stop string when one matched)."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token, the request's ``top_logprobs`` most likely tokens and their log-probs (when it asked)."""
 
 
 @dataclass

@@ -1,8 +1,7 @@
 """The OpenAI chat-completions request as the endpoint reads it, and OpenAI-style errors.
 
 Fields the endpoint does not act on (``user``, ``metadata``, ``parallel_tool_calls``, penalties, ...) are
-accepted and ignored, as clients such as the Agents SDK send them; ``top_logprobs`` above 0 is refused (the
-engine returns the sampled token's log-prob only).
+accepted and ignored, as clients such as the Agents SDK send them.
 """
 
 from __future__ import annotations
@@ -104,9 +103,8 @@ def parse_request(body: Any) -> ChatRequest:
         raise RequestError(f"{param}: {msg}" if param else msg, param) from None
     if request.stream_options is not None and not request.stream:
         raise RequestError("stream_options: only allowed with stream: true", "stream_options")
-    if request.top_logprobs:
-        raise RequestError("top_logprobs: only the sampled token's log-prob is returned (top_logprobs 0)",
-                           "top_logprobs")
+    if request.top_logprobs and not request.logprobs:
+        raise RequestError("top_logprobs: needs logprobs: true", "top_logprobs")
     if len(request.stops) > 4 or any(not s for s in request.stops):
         raise RequestError("stop: up to 4 non-empty strings", "stop")
     _check_tools(request)

@@ -146,7 +146,8 @@ class Endpoint:
         return Job(p.rendered.ids, n, p.max_tokens, p.temperature, p.top_p, p.request.stops,
                    asyncio.get_running_loop().create_future(),
                    owner=p.episode.capture.episode_id if p.episode is not None else None,
-                   seed=None if p.seed is None else p.seed + attempt, tokens=tokens)
+                   seed=None if p.seed is None else p.seed + attempt, tokens=tokens,
+                   top_logprobs=p.request.top_logprobs or 0)
 
     async def sample(self, p: Prepared, tokens: asyncio.Queue | None = None) -> list[Sample]:
         """The request's samples, each making the call ``tool_choice`` asks for when it could within
@@ -178,8 +179,9 @@ class Endpoint:
             choice: dict[str, Any] = {"index": i, "message": message, "finish_reason": finish, "logprobs": None}
             if p.request.logprobs:
                 n = len(sample.token_ids) - int(sample.eos)
-                choice["logprobs"] = {"content": [token_logprob(self.tokenizer, t, lp) for t, lp in
-                                                  zip(sample.token_ids[:n], sample.logprobs[:n], strict=True)]}
+                steps = zip(sample.token_ids[:n], sample.logprobs[:n], (sample.top_logprobs or [None] * n)[:n],
+                            strict=True)
+                choice["logprobs"] = {"content": [token_logprob(self.tokenizer, *step) for step in steps]}
             choices.append(choice)
         prompt, completion = len(p.rendered.ids), sum(len(s.token_ids) for s in samples)
         return choices, {"prompt_tokens": prompt, "completion_tokens": completion,
@@ -187,7 +189,7 @@ class Endpoint:
 
     def stream(self, p: Prepared) -> AsyncIterator[str]:
         """The events of a streamed completion; closing them early (a client gone) cancels its sampling."""
-        follow = not p.request.parses_tools  # replies read for tool calls come whole (stream.py)
+        follow = not p.request.parses_tools and not p.request.top_logprobs  # or they come whole (stream.py)
         tokens: asyncio.Queue | None = asyncio.Queue() if follow else None
 
         async def finish() -> tuple[list[dict[str, Any]], dict[str, int]]:

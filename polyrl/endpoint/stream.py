@@ -9,7 +9,8 @@ inside a character spread over several tokens, is held back until it is settled.
 A request whose replies are read for tool calls (``tools`` given, ``tool_choice`` not ``none``) is not streamed
 token by token: whether a reply is a call is known when it is complete, and ``tool_choice`` may sample it
 again. Its choices come in one delta each when they are done: their ``content`` and their ``tool_calls``
-(each with its ``index``, ``id``, ``type`` and the whole ``function.arguments``).
+(each with its ``index``, ``id``, ``type`` and the whole ``function.arguments``). So does a request with
+``top_logprobs`` (the engine's per-step hook sees the sampled token's log-prob only).
 """
 
 from __future__ import annotations
@@ -19,10 +20,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 
-def token_logprob(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
-    """One entry of OpenAI's ``logprobs.content``."""
-    text = tokenizer.decode([token_id], skip_special_tokens=False)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+def token_logprob(tokenizer: Any, token_id: int, logprob: float,
+                  top: list[tuple[int, float]] | None = None) -> dict[str, Any]:
+    """One entry of OpenAI's ``logprobs.content``, with the most likely tokens at its step when ``top``."""
+
+    def entry(tid: int, lp: float) -> dict[str, Any]:
+        text = tokenizer.decode([tid], skip_special_tokens=False)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    return {**entry(token_id, logprob), "top_logprobs": [entry(t, lp) for t, lp in top or []]}
 
 
 class TextStream:

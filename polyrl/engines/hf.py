@@ -32,6 +32,9 @@ class Completion:
     """Entropy of the sampling distribution at each token (only when ``generate(entropy=True)``)."""
     stopped: bool = False
     """True when the caller's ``stop`` predicate ended the completion early."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """The k most likely tokens at each step, with their log-probs under the sampling distribution (only when
+    ``generate(top_logprobs=k)``)."""
 
 
 StopFn = Callable[[list[int], list[int], list[float], list[float] | None], list[bool]]
@@ -45,6 +48,13 @@ def sampling_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per row (temperature 0 reads as 1)."""
     logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def top_logprobs_of(logits: torch.Tensor, temperature: float, k: int) -> list[list[tuple[int, float]]]:
+    """Per row, the ``k`` most likely tokens and their log-probs under softmax(logits / temperature) (temperature
+    0, greedy, reads as 1: the log-probs ``sample_tokens`` reports)."""
+    values, ids = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1).topk(k, dim=-1)
+    return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
 
 
 def sample_tokens(
@@ -236,23 +246,25 @@ class HFEngine:
         seed: int = 0,
         stop: StopFn | None = None,
         entropy: bool = False,
+        top_logprobs: int = 0,
     ) -> list[list[Completion]]:
         """Sample ``n`` completions for each prompt; result[i][j] is the j-th sample of prompt i.
 
-        ``stop`` may end rows early (see ``StopFn``); ``entropy`` records each token's sampling entropy.
-        Neither changes the tokens sampled while a row lives.
+        ``stop`` may end rows early (see ``StopFn``); ``entropy`` records each token's sampling entropy,
+        ``top_logprobs`` the k most likely tokens at each step. None of them changes the tokens sampled while a
+        row lives.
         """
         if self.rebuild_on_use and self.head_weight is None:
             self.sync()
         was_training = self.model.training
         self.model.eval()
         try:
-            flat = self._generate(prompts, n, max_new_tokens, temperature, top_p, seed, stop, entropy)
+            flat = self._generate(prompts, n, max_new_tokens, temperature, top_p, seed, stop, entropy, top_logprobs)
         finally:
             self.model.train(was_training)
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def _generate(self, prompts, n, max_new_tokens, temperature, top_p, seed, stop=None, entropy=False):
+    def _generate(self, prompts, n, max_new_tokens, temperature, top_p, seed, stop=None, entropy=False, top_k_lp=0):
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -288,6 +300,7 @@ class HFEngine:
         stopped = [False] * total
         ents: list[list[float]] | None = [[] for _ in range(total)] if entropy else None
         reads_entropy = stop is not None and getattr(stop, "reads_entropy", True)
+        tops: list[list[list[tuple[int, float]]]] | None = [[] for _ in range(total)] if top_k_lp else None
 
         for step in range(max_new_tokens):
             tok, lp = sample_tokens(logits, temperature, top_p, generator, self.native_sampling)
@@ -295,6 +308,7 @@ class HFEngine:
             # The step's one wait for the device: tokens, log-probs (and entropies) in one copy.
             tok_list, lp_list, *ent_lists = to_host_lists(tok, lp, *([ent] if ent is not None else []))
             ent_list = ent_lists[0] if ent_lists else None
+            top_list = top_logprobs_of(logits, temperature, top_k_lp) if tops is not None else None
             flags = stop(rows, tok_list, lp_list, ent_list) if stop is not None else None
             alive = []
             for b, (row, t, logp) in enumerate(zip(rows, tok_list, lp_list, strict=True)):
@@ -302,6 +316,8 @@ class HFEngine:
                 logps[row].append(logp)
                 if ents is not None:
                     ents[row].append(ent_list[b])
+                if tops is not None:
+                    tops[row].append(top_list[b])
                 if t in self.stop_ids:
                     finished[row] = True
                 elif flags is not None and flags[b]:
@@ -323,6 +339,7 @@ class HFEngine:
                 logits, cache = self._last_logits(tok[:, None], step_mask, next_pos[:, None], cache)
             next_pos = next_pos + 1
         return [
-            Completion(tokens[i], logps[i], finished[i], ents[i] if ents is not None else None, stopped[i])
+            Completion(tokens[i], logps[i], finished[i], ents[i] if ents is not None else None, stopped[i],
+                       tops[i] if tops is not None else None)
             for i in range(total)
         ]
