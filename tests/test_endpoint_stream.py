@@ -15,6 +15,7 @@ import torch
 from test_endpoint import ADD, ScriptedEngine, _episode, adder, client, serve
 
 from polyrl.endpoint.capture import to_trajectories
+from polyrl.endpoint.rollout import Outcome, capture_metrics
 from polyrl.endpoint.server import Sampling
 from polyrl.endpoint.stream import TextStream
 from polyrl.engines.hf import Completion, HFEngine
@@ -242,6 +243,7 @@ def test_an_episode_trains_on_the_accepted_sample_only(tok):
     (traj,) = to_trajectories(_episode(server, agent), "add", 0, 0, 1.0, 0, {}, tok)
     assert traj.input_ids[traj.prompt_len:] == tok(_call("add"), add_special_tokens=False).input_ids + [
         tok.eos_token_id]
+    assert traj.info["resampled"] == 1 and capture_metrics([Outcome([traj])])["agent/resampled"] == 1
     server.stop()
 
 

@@ -31,6 +31,8 @@ class EpisodeCapture:
     calls: list[Call] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     """Requests answered with an error (a bad request from the agent)."""
+    resampled: int = 0
+    """Replies sampled again because they did not make the call ``tool_choice`` asked for."""
     open: bool = True
 
 
@@ -102,6 +104,7 @@ def to_trajectories(
             text=tokenizer.decode(b.ids[prompt_len:], skip_special_tokens=False),
             rewards={task: reward}, reward=reward, truncated=b.truncated,
             info={**info, "turns": b.calls, "capture": how, "episode": capture.episode_id,
-                  "episode_calls": n_calls, "merged_calls": merged, "split_calls": len(built) - 1},
+                  "episode_calls": n_calls, "merged_calls": merged, "split_calls": len(built) - 1,
+                  "resampled": capture.resampled},
         ))
     return out

@@ -183,6 +183,7 @@ def capture_metrics(outcomes: list[Outcome]) -> dict[str, float]:
     firsts = [o.trajectories[0].info for o in kept]
     metrics["agent/merged_calls"] = float(sum(i["merged_calls"] for i in firsts))
     metrics["agent/split_calls"] = float(sum(i["split_calls"] for i in firsts))
+    metrics["agent/resampled"] = float(sum(i["resampled"] for i in firsts))
     return metrics
 
 

@@ -158,6 +158,8 @@ class Endpoint:
             missing = [i for i, sample in enumerate(samples) if not self._makes_call(p, sample, wanted)]
             if not missing:
                 break
+            if p.episode is not None:
+                p.episode.capture.resampled += len(missing)
             again = await self.batcher.submit(self._job(p, len(missing), attempt))
             for i, sample in zip(missing, again, strict=True):
                 samples[i] = sample
