@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 import torch
+from test_agent_tasks import _config
 from test_endpoint import ADD, ScriptedEngine, _episode, adder, client, serve
 
 from polyrl.endpoint.capture import to_trajectories
@@ -123,6 +124,29 @@ def test_streamed_text_is_the_non_streamed_text_and_capture_keeps_the_sampled_to
     assert traj.input_ids[traj.prompt_len:] == sampled.token_ids and set(traj.loss_mask[traj.prompt_len:]) == {1}
     assert traj.logprobs[traj.prompt_len:] == sampled.logprobs
     server.stop()
+
+
+STREAMING_AGENT = """
+async def run(client, item):
+    stream = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": item["q"]}], max_tokens=8, stream=True,
+        stream_options={"include_usage": True})
+    text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+    return float(len(text) % 2)
+"""
+
+
+@pytest.mark.slow
+def test_a_streaming_agent_trains_on_the_sampled_tokens(tmp_path, monkeypatch):
+    from polyrl.train.step import build_run, rl_step
+
+    tasks = [{"name": "s", "agent": "streaming_agent:run", "items": [{"q": "hi"}, {"q": "yo"}]}]
+    run = build_run(_config(tmp_path, monkeypatch, "streaming_agent", STREAMING_AGENT, tasks), tmp_path / "run")
+    run.engine = spy = Spy(run.engine)
+    metrics, trajectories = rl_step(run, 1)
+    assert metrics["agent/dropped"] == 0 and len(trajectories) == 4 and math.isfinite(metrics["loss"])
+    sampled = sorted(c.token_ids for c in spy.completions)
+    assert sorted(t.input_ids[t.prompt_len:] for t in trajectories) == sampled
 
 
 def test_text_stream_holds_back_split_characters_and_stop_strings(tok):
