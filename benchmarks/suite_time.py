@@ -7,7 +7,7 @@
 Each tier is ``bash scripts/test.sh`` (``--fast``) on this checkout, timed from start to exit; its pytest summary
 line (passed, skipped, failed) and the ten slowest tests are kept. Run it on an idle machine: the suite uses
 both pytest-xdist workers. Results: benchmarks/results/suite_time.json (one record per run, appended), and
-the newest records as the table in docs/performance.md ("Test suite").
+every record as the table in docs/performance.md ("Test suite").
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in record.items() if k != "slowest"}), flush=True)
         records.append(record)
         RESULTS.write_text(json.dumps(records, indent=1) + "\n")
-    replace_block(DOC, START, END, table(records[-6:]), "Test suite")
+    replace_block(DOC, START, END, table(records), "Test suite")
 
 
 if __name__ == "__main__":
