@@ -361,7 +361,9 @@ def test_a_client_that_goes_away_ends_its_rows(tok):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json=body, timeout=httpx.Timeout(10, read=0.3))
     server.wait_idle(10)
-    assert engine.lengths[-1][0] < 150
+    # Gone while its job was queued (on a busy machine: never generated) or while decoding (rows ended early).
+    ran = len(engine.lengths)
+    assert ran <= 1 and all(lengths[0] < 150 for lengths in engine.lengths)
     assert server.call(server.endpoint.close_episode, "gone").calls == []  # nothing recorded of it
     with httpx.Client(timeout=10) as h, h.stream("POST", f"{server.base_url}/chat/completions",
                                                  json={**body, "stream": True}) as r:
@@ -369,7 +371,7 @@ def test_a_client_that_goes_away_ends_its_rows(tok):
         assert '"assistant"' in next(lines)  # the role chunk comes at once
         assert next(ln for ln in lines if '"content": "a' in ln)  # then the text, as it is sampled; then it leaves
     server.wait_idle(10)
-    assert len(engine.lengths) == 2 and engine.lengths[-1][0] < 150
+    assert len(engine.lengths) == ran + 1 and engine.lengths[-1][0] < 150  # it was decoding when it left
     server.stop()
 
 
