@@ -149,7 +149,7 @@ def test_learner_ranks_as_actors_restart_from_the_checkpoint_when_one_is_lost(tm
 def test_a_cluster_too_small_for_the_ranks_and_workers_is_one_line_not_a_hang(tmp_path):
     """Two learner rank actors and a rollout worker on a 2-CPU Ray cluster cannot all be placed: the run says
     so in one line before placing anything, instead of waiting on the worker forever."""
-    from polyrl.runtime.workers import capacity_problem
+    from polyrl.placement import capacity_problem
 
     assert capacity_problem({"CPU": 4.0}, 2, 2, gpu=False) is None
     assert capacity_problem({"CPU": 2.0}, 0, 2, gpu=False) is None

@@ -34,8 +34,6 @@ from polyrl.train.step import build_run, local_rollout
 from polyrl.types import Trajectory
 from polyrl.waits import is_timeout, ray_get
 
-__all__ = ["START_TIMEOUT_S", "RolloutWorker", "WorkerPool", "capacity_problem"]
-
 START_TIMEOUT_S = 300.0
 """How long rank 0 waits for its rollout workers to be placed and built before it says so and stops."""
 
