@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from polyrl.config_check import load_config
-from polyrl.train.loop import train
+from polyrl.run.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {

@@ -97,8 +97,8 @@ def _train(path: Path, overrides: list[str], eval_n: int, steps: int, minutes: f
 def _sft(path: Path, overrides: list[str], eval_n: int, steps: int, ckpt_dir: Path) -> dict:
     """The tool-call warm start: ``steps`` SFT steps on the env's demonstrations into ``ckpt_dir``; eval after
     (the RL parts start from ``ckpt_dir/checkpoints/step-N`` with ``--set model.name=...``)."""
-    from polyrl.train.checkpoint import latest_checkpoint
-    from polyrl.train.sft import train_sft
+    from polyrl.checkpoint.store import latest_checkpoint
+    from polyrl.run.sft import train_sft
     from polyrl.train.step import build_run
 
     cfg = _config(path, overrides, eval_n, steps, 1e9)

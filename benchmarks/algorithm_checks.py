@@ -56,8 +56,8 @@ def config(path: Path, overrides: list[str], keep_tasks: list[str] | None = None
 
 def train_and_read(cfg, run_dir: Path) -> tuple[dict, list[dict], str]:
     """Train ``cfg`` into ``run_dir``: its summary, its metrics rows and its final checkpoint."""
-    from polyrl.train.checkpoint import latest_checkpoint
-    from polyrl.train.loop import train
+    from polyrl.checkpoint.store import latest_checkpoint
+    from polyrl.run.loop import train
 
     summary = train(cfg, run_dir, log=lambda *_: None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -65,7 +65,7 @@ def train_and_read(cfg, run_dir: Path) -> tuple[dict, list[dict], str]:
 
 
 def accuracy(cfg, model: str) -> dict[str, float]:
-    from polyrl.train.pipeline import evaluate_domains
+    from polyrl.run.pipeline import evaluate_domains
 
     return evaluate_domains(cfg, model)
 

@@ -68,7 +68,7 @@ def load(path: Path, seed: int, scale: float, eval_n: int | None, plain: bool):
 
 def summarise(state: dict, tolerance: float) -> dict:
     """Final minus best per domain (points), the final and best-stage means, and the cost."""
-    from polyrl.train.pipeline import FLOAT_SLACK, registry
+    from polyrl.run.pipeline import FLOAT_SLACK, registry
 
     rows, tasks = state["rows"], state["tasks"]
     best = registry(rows)
@@ -153,7 +153,7 @@ def main() -> None:
         return
 
     from polyrl.models.device import engine_bf16, model_bf16
-    from polyrl.train.pipeline import registry, run_pipeline, table_markdown
+    from polyrl.run.pipeline import registry, run_pipeline, table_markdown
 
     config = load(args.config, args.seed, args.scale, args.eval, args.plain)
     with tempfile.TemporaryDirectory(prefix="cascade-") as tmp:  # a run's checkpoints: about 10 GB

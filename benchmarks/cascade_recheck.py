@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from polyrl.config_check import load_config
-from polyrl.train.pipeline import evaluate_domains
+from polyrl.run.pipeline import evaluate_domains
 
 ROOT = Path(__file__).resolve().parents[1]
 

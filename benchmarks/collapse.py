@@ -88,10 +88,10 @@ def probe(config: Path, seed: int, batches: int, on_result: Callable[[dict], Non
     from polyrl.algorithms import kl_estimate
     from polyrl.config import AlgorithmConfig
     from polyrl.config_check import load_config
+    from polyrl.learner.batch import collate
+    from polyrl.learner.learner import Learner
+    from polyrl.learner.logprobs import token_logprobs
     from polyrl.models.device import model_bf16
-    from polyrl.train.batch import collate
-    from polyrl.train.learner import Learner
-    from polyrl.train.logprobs import token_logprobs
     from polyrl.train.step import build_run, produce_batch
 
     cfg = load_config(config, [*BENCH, "eval.before=false", "eval.after=false", "logging.progress=false",

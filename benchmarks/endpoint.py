@@ -106,7 +106,7 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def train_arm(agent: bool, args: argparse.Namespace) -> dict[str, Any]:
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     cfg = _config(agent, args, args.steps)
     with tempfile.TemporaryDirectory(prefix="polyrl-endpoint-") as tmp:  # checkpoints: GBs, not kept

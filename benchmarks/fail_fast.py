@@ -1,5 +1,5 @@
 """Fail fast, as a user sees it: each case is ``polyrl train configs/smoke.yaml ...`` with something missing or
-a process that hangs (``POLYRL_TEST_HANG_AT``, train/faults.py), and the seconds from the command's start until
+a process that hangs (``POLYRL_TEST_HANG_AT``, checkpoint/faults.py), and the seconds from the command's start until
 its one ``error:`` line, with waits bounded by ``learner.timeout_s=5``.
 
     python benchmarks/fail_fast.py

@@ -110,7 +110,7 @@ def tokenizer():
 
 def make_learner(model, bf16: bool, micro_batch: int, lr: float, **kwargs: Any):
     """The quickstart's objective (GRPO advantages, PPO clip, no KL reference) with AdamW at ``lr``."""
-    from polyrl.train.learner import Learner
+    from polyrl.learner.learner import Learner
 
     return Learner(model, AlgorithmConfig(track_kl=False), OptimConfig(lr=lr, micro_batch_size=micro_batch),
                    temperature=1.0, bf16=bf16, pad_id=PAD, total_steps=100, **kwargs)
@@ -291,7 +291,7 @@ def fsdp_checkpoint(setup: Setup, size: str, groups: int, group_size: int, promp
     and the same next update on both (entropy and gradient norm compared)."""
     from torch.distributed.tensor import DTensor
 
-    from polyrl.parallel.checkpoint import load_sharded, save_sharded
+    from polyrl.checkpoint.sharded import load_sharded, save_sharded
     from polyrl.parallel.fsdp import gather_into
     from polyrl.parallel.group import join_group, leave_group
     from polyrl.parallel.launch import free_port

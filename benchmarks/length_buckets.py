@@ -55,8 +55,8 @@ def quickstart_learner():
 
 
 def main() -> None:
-    from polyrl.train import forward_pass
-    from polyrl.train import learner as learner_module
+    from polyrl.learner import forward_pass
+    from polyrl.learner import learner as learner_module
 
     learner, trajectories = quickstart_learner()
     forward_pass.PACKED_ATTENTION = 0  # buckets only: packing (benchmarks/packing.py) came after this comparison

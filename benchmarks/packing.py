@@ -33,7 +33,7 @@ ROUNDS = 7  # per variant and case; the first two are warm-up
 def main() -> None:
     from length_buckets import quickstart_learner
 
-    from polyrl.train import forward_pass
+    from polyrl.learner import forward_pass
 
     learner, trajectories = quickstart_learner()
     default = forward_pass.PACKED_ATTENTION

@@ -156,9 +156,9 @@ def training_flops(model, trajectories: list, share_prefix: bool = True) -> dict
 def build(model_name: str, micro_batch: int, total_steps: int = 1000):
     from polyrl.config import AlgorithmConfig, OptimConfig
     from polyrl.engines.hf import HFEngine
+    from polyrl.learner.learner import Learner
     from polyrl.models.loading import load_model, load_tokenizer
     from polyrl.train.glibc_malloc import keep_freed_memory
-    from polyrl.train.learner import Learner
 
     keep_freed_memory()  # as every training run does (runtime.keep_freed_memory)
     tokenizer = load_tokenizer(model_name)

@@ -173,7 +173,7 @@ def learner_configs():
 def count_decoder_passes() -> list[bool]:
     """Wrap the decoder call the learner's forward pass makes (``train/forward_pass.decoder_forward``, one
     autocast region each) so each call is recorded (True: with gradients); returns the record."""
-    import polyrl.train.forward_pass as fp
+    import polyrl.learner.forward_pass as fp
 
     calls: list[bool] = []
     inner = fp.decoder_forward
@@ -207,7 +207,7 @@ def _rank(layers: int, updates: int, out_dir: str, budget_gb: float, checkpointi
     if world > 1:
         join_group("gloo", 1800.0, torch.device("cpu"))
     from polyrl.config import LearnerConfig
-    from polyrl.train.learner import Learner
+    from polyrl.learner.learner import Learner
 
     ranks = current()
     rec: dict = {"rank": ranks.rank, "world_size": ranks.world_size, "threads": torch.get_num_threads(),

@@ -75,9 +75,9 @@ def config_data(model: str, steps: int, latency: bool = True) -> dict:
 def warm_start(model: str, sft_steps: int, out: Path) -> str:
     """SFT on the tasks' demonstrations (tool calls for the tool tasks, the gold answer for chain_sum); returns
     the checkpoint every runtime starts from."""
+    from polyrl.checkpoint.store import latest_checkpoint
     from polyrl.config_check import load_config
-    from polyrl.train.checkpoint import latest_checkpoint
-    from polyrl.train.sft import train_sft
+    from polyrl.run.sft import train_sft
 
     run_dir = out / f"sft-{model}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -92,7 +92,7 @@ def measure(name: str, overrides: list[str], model: str, steps: int, out: Path) 
     import torch
 
     from polyrl.config_check import load_config
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)

@@ -64,15 +64,15 @@ def train(
     run_dir = output or Path("runs") / cfg.name
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     from polyrl.models.loading import ModelNotFoundError
-    from polyrl.train.loop import train as run_training
+    from polyrl.run.loop import train as run_training
     from polyrl.train.step import NonFiniteError
 
     def log(msg: str) -> None:
         typer.echo(msg, err=True)
 
+    from polyrl.checkpoint.store import CheckpointError
     from polyrl.observe.metrics import SinkError
     from polyrl.parallel.group import RankFailedError
-    from polyrl.train.checkpoint import CheckpointError
 
     # A run that cannot go on for a reason outside the code says why in one line; anything else is a bug and
     # keeps its traceback.
@@ -80,7 +80,7 @@ def train(
                   PlacementError, WaitTimeoutError)
 
     if cfg.stages:  # a pipeline: every stage is a run under RUN_DIR/stages/
-        from polyrl.train.pipeline import run_pipeline
+        from polyrl.run.pipeline import run_pipeline
 
         try:
             run_pipeline(cfg, run_dir, resume=resume, log=log)
@@ -102,7 +102,7 @@ def _dry_run(cfg: Config, config_path: Path) -> None:
     from polyrl.config import dump_config
     from polyrl.models.device import engine_bf16, model_bf16
     from polyrl.models.loading import ModelNotFoundError
-    from polyrl.observe.estimate import estimate_step
+    from polyrl.run.estimate import estimate_step
 
     typer.echo(f"# {config_path}: valid. Resolved config:")
     typer.echo(dump_config(cfg))
@@ -290,7 +290,7 @@ def export_cmd(
 ) -> None:
     """Write a checkpoint (sharded or not) as a Hugging Face directory: config, weights, tokenizer."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    from polyrl.parallel.export import export_hf
+    from polyrl.checkpoint.export import export_hf
 
     try:
         path = export_hf(source, out_dir, base, merge_lora=merge)

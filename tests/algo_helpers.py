@@ -1,8 +1,8 @@
 """Shared helpers for the algorithm tests: hand-made trajectories and a learner on a tiny random model."""
 
 from polyrl.config import AlgorithmConfig, OptimConfig
+from polyrl.learner.learner import Learner
 from polyrl.models.loading import tiny_random_model
-from polyrl.train.learner import Learner
 from polyrl.types import Trajectory
 
 

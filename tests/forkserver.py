@@ -26,7 +26,7 @@ from pathlib import Path
 
 SERVER = r"""
 import json, os, sys, traceback
-import polyrl.cli, polyrl.train.loop  # preloaded: forked children skip the imports
+import polyrl.cli, polyrl.run.loop  # preloaded: forked children skip the imports
 for line in sys.stdin:
     req = json.loads(line)
     pid = os.fork()

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 
 from polyrl.config import AgentsConfig, AlgorithmConfig, LoraConfig, OptimConfig
+from polyrl.learner.advantage_stage import assign_advantages
+from polyrl.learner.batch import collate
+from polyrl.learner.learner import Learner
+from polyrl.learner.logprobs import token_logprobs
 from polyrl.models.loading import load_model, tiny_random_model
-from polyrl.train.advantage_stage import assign_advantages
-from polyrl.train.batch import collate
-from polyrl.train.learner import Learner
-from polyrl.train.logprobs import token_logprobs
 from polyrl.types import Trajectory
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "golden_learner.json"

@@ -9,8 +9,8 @@ from algo_helpers import fake_trajectories, make_learner
 from polyrl.algorithms import ADVANTAGES
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.algorithms.kl import kl_penalty_to_go
-from polyrl.train.advantage_stage import token_advantages
-from polyrl.train.batch import collate
+from polyrl.learner.advantage_stage import token_advantages
+from polyrl.learner.batch import collate
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0])
 ONE_GROUP = torch.tensor([0, 0, 0, 0])
@@ -92,7 +92,7 @@ def test_gdpo_normalises_each_reward_component_within_its_group():
 
 def test_gdpo_reads_the_trajectories_reward_components():
     from polyrl.config import AgentsConfig, AlgorithmConfig
-    from polyrl.train.advantage_stage import assign_advantages
+    from polyrl.learner.advantage_stage import assign_advantages
 
     ts = fake_trajectories()
     for t, (c, f) in zip(ts, [(1.0, 0.0), (0.0, 1.0), (0.0, 0.0), (0.0, 1.0)], strict=True):
@@ -270,7 +270,7 @@ def test_gating_on_a_reward_no_task_records_is_a_config_error():
 def test_rubric_rule_criteria_names_and_per_criterion_means():
     from polyrl.algorithms.reward_shaping import criterion_means
     from polyrl.config import RewardComponentConfig, component_names
-    from polyrl.rewards.mix import rule_scores
+    from polyrl.envs.reward_mix import rule_scores
 
     assert rule_scores(r"^\s*-?\d+\s*$", ["42", " 7 \n", "the answer is 42", "-3"]) == [1.0, 1.0, 0.0, 1.0]
     comps = [RewardComponentConfig(kind="env"), RewardComponentConfig(kind="rule", name="just_a_number",
@@ -324,8 +324,8 @@ def test_rule_criterion_mixes_into_the_training_reward(tmp_path):
 
 
 def test_judge_grades_against_a_reference_when_asked():
+    from polyrl.envs.reward_mix import reference_of
     from polyrl.rewards.judge import Judge
-    from polyrl.rewards.mix import reference_of
 
     judge = Judge("tiny-random")
     plain = judge.tokenizer.decode(judge.prompt_ids("What is 2+2?", "4", "Is it right?"))

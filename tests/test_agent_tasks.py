@@ -49,7 +49,7 @@ def _config(tmp_path, monkeypatch, module: str, code: str, tasks: list[dict], **
 
 @pytest.mark.slow
 def test_the_documented_example_trains_and_a_run_dir_is_served(tmp_path, monkeypatch):
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     code, example = _docs_example()
     (task,) = example["tasks"]
@@ -242,7 +242,7 @@ def test_a_step_whose_episodes_all_drop_leaves_the_policy_as_it_was(tmp_path, mo
 
 
 def test_advantage_estimators_and_losses_load_by_module_attr(tmp_path, monkeypatch):
-    from polyrl.train.advantage_stage import assign_advantages
+    from polyrl.learner.advantage_stage import assign_advantages
     from polyrl.types import Trajectory
 
     monkeypatch.chdir(tmp_path)

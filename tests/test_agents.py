@@ -21,11 +21,11 @@ from polyrl.data.replay import PromptReplay, SuccessBuffer
 from polyrl.engines.hf import Completion, HFEngine
 from polyrl.envs import make_task
 from polyrl.envs.tool_parsers import SmolLM2Parser, ToolCall
+from polyrl.learner.batch import collate
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.rollout.arpo import arpo_rollout
 from polyrl.rollout.early_stop import EarlyStopper, spike_index
 from polyrl.rollout.multi_turn import rollout, start_episode
-from polyrl.train.batch import collate
 from polyrl.types import Trajectory
 
 TOOL_MATH = TaskConfig(
@@ -224,7 +224,7 @@ def _agents_config(tmp_path, steps):
 
 @pytest.mark.slow
 def test_loop_with_agent_features_resumes_exactly(tmp_path):
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     train(_agents_config(tmp_path, 3), tmp_path / "a", log=lambda *_: None)
     train(_agents_config(tmp_path, 2), tmp_path / "b", log=lambda *_: None)

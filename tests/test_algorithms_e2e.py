@@ -7,7 +7,7 @@ import pytest
 from conftest import SMOKE
 
 from polyrl.config_check import load_config
-from polyrl.train.loop import train
+from polyrl.run.loop import train
 
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
 

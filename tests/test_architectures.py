@@ -19,11 +19,11 @@ from polyrl.cli import app
 from polyrl.config import AlgorithmConfig, OptimConfig
 from polyrl.engines import llama_decode
 from polyrl.engines.hf import HFEngine
+from polyrl.learner.batch import collate
+from polyrl.learner.learner import Learner
+from polyrl.learner.logprobs import token_logprobs
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.models.synthetic import ARCHITECTURES, write_random_model
-from polyrl.train.batch import collate
-from polyrl.train.learner import Learner
-from polyrl.train.logprobs import token_logprobs
 from polyrl.types import Trajectory
 
 FUSED = {"llama3": True, "qwen2": True, "qwen3": False, "gemma": False, "gemma3": False}

@@ -11,9 +11,7 @@ import pytest
 import torch
 from conftest import SMOKE
 
-from polyrl.config_check import load_config
-from polyrl.models.loading import load_model, load_tokenizer
-from polyrl.train.checkpoint import (
+from polyrl.checkpoint.store import (
     MANIFEST,
     latest_checkpoint,
     list_checkpoints,
@@ -22,6 +20,8 @@ from polyrl.train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
+from polyrl.config_check import load_config
+from polyrl.models.loading import load_model, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def run_dir(tmp_path, model_and_tokenizer):
 
 
 def _latest(run_dir, caplog):
-    with caplog.at_level(logging.WARNING, logger="polyrl.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="polyrl.checkpoint.store"):
         return latest_checkpoint(run_dir)
 
 
@@ -131,7 +131,7 @@ def test_load_restores_weights_and_rng_exactly(tmp_path, model_and_tokenizer):
 @pytest.mark.slow
 def test_training_resumes_past_a_torn_checkpoint(tmp_path, caplog):
     """train(resume=True) skips a torn newest checkpoint, names it, and reproduces the uninterrupted run."""
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     overrides = ["train.steps=2", "eval.before=false", "eval.after=false", "logging.tensorboard=false",
                  "logging.report=false", "rollout.group_size=2", "algorithm.entropy_coef=0.01"]
@@ -142,7 +142,7 @@ def test_training_resumes_past_a_torn_checkpoint(tmp_path, caplog):
     torn = run / "checkpoints" / "step-2"
     _truncate(torn / "model.safetensors")
     messages = []
-    with caplog.at_level(logging.WARNING, logger="polyrl.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="polyrl.checkpoint.store"):
         train(cfg, run, resume=True, log=messages.append)
     assert any(f"{torn}: checksum mismatch in model.safetensors" in r.getMessage() for r in caplog.records)
     assert messages[0] == f"resumed from {run / 'checkpoints' / 'step-1'} (step 1)"

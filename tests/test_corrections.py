@@ -177,8 +177,8 @@ def test_correction_settings_out_of_range_fail_naming_the_key():
 
 def _own_logprobs(learner, trajectories):
     """Each trajectory's response log-probs under the learner's current weights, aligned with input_ids."""
-    from polyrl.train.batch import collate
-    from polyrl.train.logprobs import token_logprobs
+    from polyrl.learner.batch import collate
+    from polyrl.learner.logprobs import token_logprobs
 
     batch = collate(trajectories, pad_id=2)
     with torch.no_grad():

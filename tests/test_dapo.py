@@ -8,7 +8,7 @@ from polyrl.algorithms.dapo import group_has_variance, overlong_penalty
 from polyrl.algorithms.reward_shaping import shape_rewards
 from polyrl.config import AgentsConfig, AlgorithmConfig
 from polyrl.data.dynamic_sampling import dynamic_sample
-from polyrl.train.advantage_stage import assign_advantages
+from polyrl.learner.advantage_stage import assign_advantages
 from polyrl.types import Trajectory
 
 

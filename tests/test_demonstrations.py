@@ -10,8 +10,8 @@ from polyrl.config_check import load_config
 from polyrl.envs.base import make_task
 from polyrl.models.loading import load_tokenizer
 from polyrl.rollout.multi_turn import start_episode
+from polyrl.run.sft import sft_example, train_sft, training_example
 from polyrl.train.demonstrations import demonstration_example
-from polyrl.train.sft import sft_example, train_sft, training_example
 
 TOOL_TASK = {
     "name": "tool_math", "env": "tool_math", "max_turns": 3, "eval_size": 2,

@@ -14,11 +14,11 @@ from conftest import ROOT, SMOKE
 from polyrl.config import ConfigError
 from polyrl.config_check import load_config
 from polyrl.engines.hf import HFEngine
+from polyrl.learner.batch import Batch, collate
 from polyrl.models import device as dev
 from polyrl.models.forward import autocast_context
 from polyrl.models.loading import load_model, tiny_random_model
 from polyrl.train import teachers
-from polyrl.train.batch import Batch, collate
 from polyrl.types import Trajectory
 
 # --- bf16 where the hardware computes it ------------------------------------------------------------------------

@@ -53,8 +53,8 @@ def test_gradient_reaches_the_student_only_and_vanishes_at_the_teacher():
 @pytest.mark.slow
 def test_learner_distills_each_row_from_its_own_task_teacher():
     from polyrl.config import AlgorithmConfig, OptimConfig
+    from polyrl.learner.learner import Learner
     from polyrl.models.loading import tiny_random_model
-    from polyrl.train.learner import Learner
     from polyrl.types import Trajectory
 
     student, teacher = tiny_random_model(0, vocab_size=64), tiny_random_model(1, vocab_size=64)

@@ -15,8 +15,8 @@ from polyrl.config_check import load_config
 from polyrl.envs.base import make_task
 from polyrl.envs.humaneval import HumanEvalParams, problem_source
 from polyrl.envs.instruct import CONSTRAINTS, InstructParams, check_reply, make_item
+from polyrl.envs.reward_mix import weighted_reward
 from polyrl.rewards.math import math_verify_score
-from polyrl.rewards.mix import weighted_reward
 
 SMOKE = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
 
@@ -170,7 +170,7 @@ def test_reward_component_kind_is_checked():
 
 
 def test_multitask_example_config_builds_every_domain():
-    from polyrl.data.curriculum import Curriculum
+    from polyrl.envs.curriculum import Curriculum
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "multitask.yaml",
                       ["model.name=tiny-random", "tasks.2.reward_components.1.model=tiny-random"])

@@ -9,9 +9,9 @@ from polyrl.config_check import load_config
 from polyrl.engines import EngineUnavailableError, make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.engines.recompute import RecomputeLogprobs, policy_logprobs
+from polyrl.learner.batch import collate
+from polyrl.learner.logprobs import token_logprobs
 from polyrl.models.loading import load_model, load_tokenizer
-from polyrl.train.batch import collate
-from polyrl.train.logprobs import token_logprobs
 from polyrl.types import Trajectory
 
 SMOKE = "configs/smoke.yaml"

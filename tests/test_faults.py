@@ -15,11 +15,11 @@ import pytest
 import torch
 from conftest import SMOKE
 
+from polyrl.checkpoint import store as ckpt_module
+from polyrl.checkpoint.faults import DISK_FULL_AT, KILL_AT
+from polyrl.checkpoint.store import CheckpointError, latest_checkpoint, list_checkpoints, save_checkpoint
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.observe.metrics import open_step_log
-from polyrl.train import checkpoint as ckpt_module
-from polyrl.train.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, save_checkpoint
-from polyrl.train.faults import DISK_FULL_AT, KILL_AT
 from tests.forkserver import ForkServer
 
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier

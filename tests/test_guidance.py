@@ -13,8 +13,8 @@ from polyrl.algorithms.guidance import shaped_reference_loss
 from polyrl.config import AlgorithmConfig, GuidanceConfig, TaskConfig
 from polyrl.config_check import load_config
 from polyrl.envs.base import make_task
-from polyrl.train.advantage_stage import token_advantages
-from polyrl.train.batch import collate
+from polyrl.learner.advantage_stage import token_advantages
+from polyrl.learner.batch import collate
 from polyrl.train.guidance import Guidance
 from polyrl.train.step import build_run, rl_step
 from polyrl.types import Trajectory
@@ -138,7 +138,7 @@ def test_rl_step_with_guidance_trains_on_references_and_logs_only_the_policys_re
 
 @pytest.mark.slow
 def test_a_resumed_run_mixes_in_what_the_whole_run_did(tmp_path):
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     def config(steps):
         return load_config(SMOKE, [f"train.steps={steps}", "guidance.reference=true", "eval.before=false",

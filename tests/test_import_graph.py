@@ -156,3 +156,64 @@ def test_polyrl_has_no_import_cycles():
     assert graph.number_of_nodes() > 50 and graph.number_of_edges() > 100  # the walk found the package
     cycles = import_cycles(graph)
     assert not cycles, "import cycles between polyrl modules:\n" + "\n".join(" <-> ".join(c) for c in cycles)
+
+
+LAYERS = (
+    # polyrl's packages (and top-level modules) from the bottom up: each imports only those listed before it.
+    "types", "waits", "loader", "config", "models", "algorithms", "data", "rewards", "envs", "engines",
+    "parallel", "checkpoint", "placement", "config_check", "rollout", "endpoint", "learner", "observe",
+    "adapters", "train", "runtime", "run", "tinker_api", "docs_gen", "cli", "__main__", "polyrl",
+)
+
+
+def package_graph(graph: nx.DiGraph) -> nx.DiGraph:
+    """Package -> imported package, from the module graph: `polyrl.train.step` belongs to `train`,
+    a top-level module such as `polyrl.cli` is its own package, `polyrl` itself is the root package."""
+    def package(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else parts[0]
+
+    packages = nx.DiGraph()
+    packages.add_nodes_from(package(m) for m in graph.nodes)
+    for source, target in graph.edges:
+        if package(source) != package(target):
+            packages.add_edge(package(source), package(target))
+    return packages
+
+
+def layer_violations(packages: nx.DiGraph, layers: tuple[str, ...]) -> list[str]:
+    """Each import of a package at or above the importer's place in `layers`, and each package missing from it."""
+    missing = sorted(set(packages.nodes) - set(layers))
+    place = {name: i for i, name in enumerate(layers)}
+    upward = sorted(f"{a} imports {b}" for a, b in packages.edges
+                    if a in place and b in place and place[b] >= place[a])
+    return [f"{name} has no place in LAYERS" for name in missing] + upward
+
+
+def test_layer_check_reports_an_upward_import_and_an_unplaced_package(tmp_path):
+    pkg = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/low/__init__.py": "",
+            "pkg/low/a.py": "import json\n",
+            "pkg/high/__init__.py": "",
+            "pkg/high/b.py": "from pkg.low.a import x\n",
+            "pkg/low/c.py": "def f():\n    from pkg.high import b\n",
+            "pkg/stray.py": "from pkg.low import a\n",
+        },
+    )
+    packages = package_graph(import_graph(pkg))
+    assert ("high", "low") in packages.edges and ("low", "high") in packages.edges
+    assert layer_violations(packages, ("low", "high", "pkg")) == ["stray has no place in LAYERS", "low imports high"]
+    assert layer_violations(packages, ("low", "high", "stray", "pkg")) == ["low imports high"]
+
+
+@pytest.mark.slow
+def test_polyrl_packages_import_only_downwards():
+    packages = package_graph(import_graph())
+    assert {"train", "learner", "run", "envs"} <= set(packages.nodes)
+    cycles = sorted(sorted(c) for c in nx.strongly_connected_components(packages) if len(c) > 1)
+    assert not cycles, "import cycles between polyrl packages: " + "; ".join(" <-> ".join(c) for c in cycles)
+    violations = layer_violations(packages, LAYERS)
+    assert not violations, "package imports against the order of LAYERS:\n" + "\n".join(violations)

@@ -5,7 +5,7 @@ uninterrupted run with the same seed.
 The reference is a plain ``python -m polyrl train`` subprocess. The interrupted runs are forked, one per
 attempt, from a server that has imported polyrl (and torch) but run nothing (tests/forkserver.py): each child
 runs the same CLI entry point in a process of its own and dies by a real SIGKILL, without paying the imports
-each time. Kills come from polyrl.train.faults (POLYRL_TEST_KILL_AT); a trace of the points reached shows
+each time. Kills come from polyrl.checkpoint.faults (POLYRL_TEST_KILL_AT); a trace of the points reached shows
 where each kill landed.
 """
 
@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import SMOKE
 
-from polyrl.train.faults import KILL_AT, TRACE
+from polyrl.checkpoint.faults import KILL_AT, TRACE
 from tests.forkserver import ForkServer
 
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
@@ -112,7 +112,7 @@ def test_sigkill_at_every_point_resumes_bit_exactly(tmp_path, reference):
     assert (run_dir / "trajectories.jsonl").read_text() == (ref_dir / "trajectories.jsonl").read_text()
     assert final_weights_digest(run_dir) == final_weights_digest(ref_dir)
     # Nothing half-written is left: no temp checkpoint dirs, and every checkpoint kept verifies.
-    from polyrl.train.checkpoint import list_checkpoints, verify_checkpoint
+    from polyrl.checkpoint.store import list_checkpoints, verify_checkpoint
 
     assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
     assert all(verify_checkpoint(p) is None for p in list_checkpoints(run_dir))
@@ -139,7 +139,7 @@ def test_sigkill_of_two_ranks_resumes_bit_exactly(tmp_path):
     """learner.world_size=2 (FSDP2 over gloo, sharded checkpoints): a rank killed at any of these points ends
     the run with one line, and ``--resume`` continues it to the uninterrupted run's metrics, samples and
     weights, bit for bit."""
-    from polyrl.parallel.checkpoint import read_model_tensors
+    from polyrl.checkpoint.sharded import read_model_tensors
 
     steps = 3  # enough for both kill points
     argv = ["train", str(SMOKE), *ARGS, f"train.steps={steps}", "learner.world_size=2", "learner.timeout_s=60"]

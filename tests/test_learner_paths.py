@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from polyrl.learner.batch import collate
+from polyrl.learner.logprobs import token_logprobs
 from polyrl.models.loading import tiny_random_model
-from polyrl.train.batch import collate
-from polyrl.train.logprobs import token_logprobs
 from polyrl.types import Trajectory
 
 
@@ -66,7 +66,7 @@ def test_logprobs_match_a_plain_model_call():
 
 
 def test_lr_schedules_worked_by_hand():
-    from polyrl.train.optimizer import lr_factor
+    from polyrl.learner.optimizer import lr_factor
 
     # warmup 2 of 10 steps: 0.5, 1.0; then linear decay over the remaining 8: step 6 is 4/8 of the way.
     assert [lr_factor(s, 2, 10, "linear") for s in (0, 1, 2, 6, 10)] == [0.5, 1.0, 1.0, 0.5, 0.0]
@@ -91,9 +91,9 @@ def test_micro_batch_rows_drop_shared_padding():
 def test_chunked_head_matches_whole_logits(bf16):
     # The output head in checkpointed chunks of 3 positions (responses are 4 long) against the [B, R, V] logits:
     # log-probs, entropy and every parameter's gradient (body and head) agree to float32 rounding.
+    from polyrl.learner.forward_pass import response_hidden
+    from polyrl.learner.logprobs import chunked_logprobs, logprobs_from_logits
     from polyrl.models.forward import head_logits
-    from polyrl.train.forward_pass import response_hidden
-    from polyrl.train.logprobs import chunked_logprobs, logprobs_from_logits
 
     model = tiny_random_model(seed=5)
     batch = _batch()
@@ -116,8 +116,8 @@ def test_chunked_head_matches_whole_logits(bf16):
 def test_bf16_backward_head_matches_the_float32_head():
     # Forward exact: log-probs and entropy equal the float32 head's. Backward in bf16 matmuls: every gradient
     # (body and the tied head) within bf16 rounding of the float32 backward, and the same direction.
-    from polyrl.train.forward_pass import response_hidden
-    from polyrl.train.logprobs import chunked_logprobs
+    from polyrl.learner.forward_pass import response_hidden
+    from polyrl.learner.logprobs import chunked_logprobs
 
     model = tiny_random_model(seed=5)
     batch = _batch()
@@ -141,7 +141,7 @@ def test_micro_batches_change_no_update():
     # Micro-batches are cut from the batch sorted by prompt length and group (so a group's shared prompt is
     # computed once): any micro-batch size gives the same loss and the same gradient as one batch.
     from polyrl.config import AlgorithmConfig, OptimConfig
-    from polyrl.train.learner import Learner
+    from polyrl.learner.learner import Learner
 
     p1, p2 = [5, 6, 7, 8, 9, 10, 11], [12, 13]
     trajs = [_traj(p1 if g % 2 else p2, [20 + i, 21, 22][: 1 + (i + g) % 3], g) for g in range(4) for i in range(3)]

@@ -1,4 +1,4 @@
-"""train/forward_pass.py: responses in length buckets, and all responses packed into one row, give the log-probs
+"""learner/forward_pass.py: responses in length buckets, and all responses packed into one row, give the log-probs
 and gradients of one padded pass; the buckets are the cheapest split; the cheaper of the two ways is taken."""
 
 import itertools
@@ -6,11 +6,11 @@ import random
 
 import torch
 
+from polyrl.learner import forward_pass
+from polyrl.learner.batch import collate
+from polyrl.learner.forward_pass import length_buckets
+from polyrl.learner.logprobs import token_logprobs
 from polyrl.models.loading import tiny_random_model
-from polyrl.train import forward_pass
-from polyrl.train.batch import collate
-from polyrl.train.forward_pass import length_buckets
-from polyrl.train.logprobs import token_logprobs
 from polyrl.types import Trajectory
 
 
@@ -91,7 +91,7 @@ def test_learner_head_skips_padding_and_matches():
     # Learner._forward runs the output head on response tokens only: the same log-probs as the padded head
     # at those tokens, zeros at padding.
     from polyrl.config import AlgorithmConfig, OptimConfig
-    from polyrl.train.learner import Learner
+    from polyrl.learner.learner import Learner
 
     trajs = [_traj([5, 6, 7], [20, 21, 22, 23, 24, 25], 0), _traj([5, 6, 7], [26], 0), _traj([8, 9], [27, 28], 1)]
     batch = collate(trajs, pad_id=2)

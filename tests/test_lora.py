@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from polyrl.config import AlgorithmConfig, LoraConfig, OptimConfig
+from polyrl.learner.batch import collate
+from polyrl.learner.learner import Learner
+from polyrl.learner.logprobs import token_logprobs
 from polyrl.models.loading import holds_bf16_weights, load_model
-from polyrl.train.batch import collate
-from polyrl.train.learner import Learner
-from polyrl.train.logprobs import token_logprobs
 from polyrl.types import Trajectory
 
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 from algo_helpers import fake_trajectories
 
+from polyrl.checkpoint.store import checkpoint_to_resume
 from polyrl.config import AlgorithmConfig
-from polyrl.train.advantage_stage import TokenAdvantages
-from polyrl.train.batch import collate
-from polyrl.train.checkpoint import checkpoint_to_resume
-from polyrl.train.loss_terms import (
+from polyrl.learner.advantage_stage import TokenAdvantages
+from polyrl.learner.batch import collate
+from polyrl.learner.loss_terms import (
     LOSS_TERMS,
     LossInputs,
     distill_term,

@@ -11,8 +11,8 @@ from polyrl.algorithms import LOSSES, aggregate
 from polyrl.algorithms.losses import ppo_clip_loss
 from polyrl.config import ConfigError
 from polyrl.config_check import load_config
-from polyrl.train.advantage_stage import token_advantages
-from polyrl.train.batch import collate
+from polyrl.learner.advantage_stage import token_advantages
+from polyrl.learner.batch import collate
 
 LOG15 = math.log(1.5)
 BUILT_IN = ["ppo_clip", "dual_clip", "gspo", "cispo", "dppo", "sapo"]

@@ -12,7 +12,7 @@ import yaml
 from polyrl.algorithms.task_norm import task_normalise
 from polyrl.config import AgentsConfig, AlgorithmConfig, ConfigError, CurriculumConfig, TaskConfig
 from polyrl.config_check import load_config
-from polyrl.data.curriculum import (
+from polyrl.envs.curriculum import (
     Curriculum,
     learning_progress,
     level_config,
@@ -20,7 +20,7 @@ from polyrl.data.curriculum import (
     progress_mixture,
     should_promote,
 )
-from polyrl.train.advantage_stage import assign_advantages
+from polyrl.learner.advantage_stage import assign_advantages
 from polyrl.train.multitask import cross_policy_split
 from polyrl.types import Trajectory
 
@@ -78,7 +78,7 @@ def test_cross_policy_split_leaves_the_learner_a_group():
 def test_learner_weights_cross_policy_tokens_by_truncated_is():
     from types import SimpleNamespace
 
-    from polyrl.train.advantage_stage import cross_policy_advantages
+    from polyrl.learner.advantage_stage import cross_policy_advantages
 
     old = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
     behaviour = torch.log(torch.tensor([[0.5, 0.5], [0.1, 0.4]]))  # row 1 was sampled by another policy
@@ -202,7 +202,7 @@ def test_curriculum_config_errors_name_the_key(section, message):
 
 @pytest.mark.slow
 def test_curriculum_in_a_run_logs_levels_and_resumes(tmp_path):
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     data = yaml.safe_load(SMOKE.read_text())
     data["tasks"].append({"name": "products", "params": {"min_terms": 2, "max_terms": 2, "min_digits": 1,

@@ -13,12 +13,12 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from polyrl.algorithms import LOSSES
+from polyrl.checkpoint.store import latest_checkpoint, load_checkpoint, verify_checkpoint
 from polyrl.cli import app
 from polyrl.config_check import load_config
+from polyrl.learner.learner import Learner
 from polyrl.models.loading import load_model
-from polyrl.train.checkpoint import latest_checkpoint, load_checkpoint, verify_checkpoint
-from polyrl.train.learner import Learner
-from polyrl.train.loop import train
+from polyrl.run.loop import train
 from polyrl.train.step import NonFiniteError
 
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier

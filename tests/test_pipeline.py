@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from polyrl.checkpoint.faults import KILL_AT
 from polyrl.config_check import load_config
-from polyrl.train import pipeline
-from polyrl.train.faults import KILL_AT
+from polyrl.run import pipeline
 
 TASKS = [
     {"name": "chain_sum", "params": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},

@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 
 from polyrl.config_check import load_config
-from polyrl.train.loop import train
+from polyrl.run.loop import train
 
 pytestmark = pytest.mark.slow
 

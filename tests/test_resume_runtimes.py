@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 from conftest import SMOKE
 
-from polyrl.train.faults import KILL_AT
+from polyrl.checkpoint.faults import KILL_AT
 from tests.forkserver import ForkServer
 
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier

@@ -1,5 +1,5 @@
 """Retention in a cascade: replay of earlier domains with a KL to their best checkpoints in RL stages, and
-distill stages stopped early on validation items (polyrl/train/retention.py), on the tiny random model."""
+distill stages stopped early on validation items (polyrl/run/retention.py), on the tiny random model."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from polyrl.config_check import load_config
-from polyrl.train import pipeline, retention
+from polyrl.run import pipeline, retention
 from tests.test_pipeline import write_config
 
 
@@ -229,7 +229,7 @@ def test_distill_with_focus_samples_the_task_furthest_behind_more_and_takes_its_
 def test_a_run_stopped_and_resumed_with_stop_at_step_equals_one_run(tmp_path):
     # A distill stage's pauses must not restart Adam or the schedule: stopping at step 1 and resuming to 3
     # trains exactly as 3 steps in one go, learning rate included.
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
     from tests.conftest import SMOKE
 
     def cfg(stop):

@@ -16,7 +16,7 @@ from polyrl.config import ConfigError, TaskConfig
 from polyrl.config_check import load_config
 from polyrl.data.files import RowError
 from polyrl.envs import make_task
-from polyrl.rewards.audit import audit_task, audit_tasks
+from polyrl.envs.reward_audit import audit_task, audit_tasks
 from polyrl.rewards.functions import RewardFn, Sample, reward_error_metrics
 
 TINY = {"model": {"name": "tiny-random", "bf16": False}, "logging": {"progress": False, "tensorboard": False,
@@ -409,7 +409,7 @@ def test_reward_on_a_reasoning_gym_task_is_an_error():
 
 
 def test_reward_components_mix_named_rewards_into_another_envs_reward(rewards, tok):
-    from polyrl.rewards.mix import RewardMixer
+    from polyrl.envs.reward_mix import RewardMixer
     from polyrl.types import Trajectory
 
     cfg = load_config(None, data={**TINY, "tasks": [{"name": "chain_sum", "reward_components": [

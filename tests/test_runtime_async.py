@@ -8,7 +8,7 @@ import torch
 
 from polyrl.config import RolloutConfig
 from polyrl.config_check import load_config
-from polyrl.train.loop import train
+from polyrl.run.loop import train
 from polyrl.train.step import build_run
 from tests.conftest import SMOKE
 
@@ -63,10 +63,10 @@ def test_async_eta1_partial_rollouts_respect_the_bound(tmp_path):
 @pytest.mark.slow
 def test_a_partial_rollout_spans_versions_with_each_tokens_own_logprob(tmp_path):
     from polyrl.engines.hf import HFEngine
+    from polyrl.learner.batch import collate
+    from polyrl.learner.logprobs import token_logprobs
     from polyrl.rollout.multi_turn import rollout
     from polyrl.runtime.partial import PartialEngine
-    from polyrl.train.batch import collate
-    from polyrl.train.logprobs import token_logprobs
 
     cfg = load_config(SMOKE, [*BASE, "model.bf16=false", "rollout.max_new_tokens=6"])
     run = build_run(cfg, tmp_path)

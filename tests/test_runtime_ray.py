@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
+from polyrl.checkpoint.faults import KILL_AT
 from polyrl.config_check import load_config
-from polyrl.train.faults import KILL_AT
-from polyrl.train.loop import train
+from polyrl.run.loop import train
 from tests.conftest import SMOKE
 
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
@@ -124,7 +124,7 @@ def test_learner_ranks_as_actors_restart_from_the_checkpoint_when_one_is_lost(tm
     """runtime.kind ray with learner.world_size 2: the ranks are actors in a placement group; one killed
     inside step 2's update takes every rank down, and the driver starts them again from step 1's checkpoint.
     The run ends with every step logged once and the same metrics as an uninterrupted local 2-rank run."""
-    from polyrl.train.faults import KILL_ONCE
+    from polyrl.checkpoint.faults import KILL_ONCE
 
     args = ["eval.before=false", "eval.after=false", "logging.report=false", "logging.tensorboard=false",
             "train.steps=3", "train.checkpoint_every=1", "algorithm.entropy_coef=0.05", "optim.lr=0.01",

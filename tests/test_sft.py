@@ -6,10 +6,10 @@ import torch
 from polyrl.config import TaskConfig
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import make_task
+from polyrl.learner.batch import collate
 from polyrl.models.loading import load_tokenizer, tiny_random_model
 from polyrl.rollout.multi_turn import start_episode
-from polyrl.train.batch import collate
-from polyrl.train.sft import sft_example, sft_loss
+from polyrl.run.sft import sft_example, sft_loss
 
 
 @pytest.fixture(scope="module")

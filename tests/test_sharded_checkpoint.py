@@ -1,4 +1,4 @@
-"""Sharded checkpoints (polyrl/parallel/checkpoint.py, export.py): a tiny Llama sharded by FSDP2 over two gloo ranks
+"""Sharded checkpoints (polyrl/checkpoint/sharded.py, export.py): a tiny Llama sharded by FSDP2 over two gloo ranks
 saves, resumes bit-exact at two ranks and exactly at one (no process group); a one-process save resumes at two;
 the HF export loads and decodes like the unsharded model; a save killed before its rename leaves the previous
 checkpoint the newest. One spawn of two ranks runs every multi-rank part; the tests read what it recorded."""
@@ -20,12 +20,12 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
+from polyrl.checkpoint import faults
+from polyrl.checkpoint.export import export_hf
+from polyrl.checkpoint.sharded import is_sharded, load_sharded, read_model_tensors, save_sharded
+from polyrl.checkpoint.store import latest_checkpoint, remove_partial_saves, verify_checkpoint
 from polyrl.models.loading import tiny_random_model
-from polyrl.parallel.checkpoint import is_sharded, load_sharded, read_model_tensors, save_sharded
-from polyrl.parallel.export import export_hf
 from polyrl.parallel.launch import free_port
-from polyrl.train import faults
-from polyrl.train.checkpoint import latest_checkpoint, remove_partial_saves, verify_checkpoint
 
 WS1 = "ws1/checkpoints/step-1"
 WS2 = "ws2/checkpoints/step-1"
@@ -335,8 +335,8 @@ def test_cli_export_writes_a_run_dirs_newest_checkpoint(runs, tmp_path):
 def test_a_one_process_hf_checkpoint_exports_too(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from polyrl.checkpoint.store import save_checkpoint
     from polyrl.models.loading import load_tokenizer
-    from polyrl.train.checkpoint import save_checkpoint
 
     model = _model(5)
     save_checkpoint(tmp_path / "run", 2, model, load_tokenizer("tiny-random"), {}, {"sampler": {}})

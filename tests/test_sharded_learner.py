@@ -13,6 +13,7 @@ import torch
 
 from polyrl.config import AlgorithmConfig, ConfigError, LearnerConfig, LoraConfig, OptimConfig
 from polyrl.config_check import load_config
+from polyrl.learner.learner import Learner
 from polyrl.models.loading import load_model
 from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import (
@@ -24,8 +25,7 @@ from polyrl.parallel.group import (
     current,
 )
 from polyrl.parallel.launch import check_devices
-from polyrl.train.learner import Learner
-from polyrl.train.loop import train
+from polyrl.run.loop import train
 from polyrl.types import Trajectory
 from tests.conftest import SMOKE
 from tests.dist_helpers import run_ranks
@@ -232,7 +232,7 @@ def test_a_one_process_checkpoint_is_not_resumed_by_ranks(tmp_path):
 def test_activation_checkpointing_without_packing_gives_the_same_update(monkeypatch):
     # Without packing the learner runs prompts once and responses on their KV cache, which a checkpointed layer
     # would drop (transformers turns caching off under checkpointing); the rows must then run without a cache.
-    from polyrl.train import forward_pass
+    from polyrl.learner import forward_pass
 
     monkeypatch.setattr(forward_pass, "PACKED_ATTENTION", 0)
     plain_metrics, plain_weights = _update("token-mean", False)

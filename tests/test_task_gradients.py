@@ -8,9 +8,9 @@ import torch
 from algo_helpers import fake_trajectories
 
 from polyrl.config import AlgorithmConfig, OptimConfig
+from polyrl.learner.learner import Learner
+from polyrl.learner.task_gradients import gradient_metrics, pcgrad
 from polyrl.models.loading import tiny_random_model
-from polyrl.train.learner import Learner
-from polyrl.train.task_gradients import gradient_metrics, pcgrad
 
 
 def dot(a, b):

@@ -159,7 +159,7 @@ def test_bad_game_in_a_config_file_names_the_key():
 
 @pytest.mark.slow
 def test_the_documented_config_trains_two_steps(tmp_path):
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     text = (ROOT / "docs" / "agents.md").read_text()
     block = re.search(r"<!-- textarena-example:start -->(.*?)<!-- textarena-example:end -->", text, re.DOTALL)

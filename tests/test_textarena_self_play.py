@@ -182,7 +182,7 @@ def test_self_play_without_a_policy_to_play_it_names_the_key():
 @pytest.mark.slow
 def test_the_documented_self_play_config_trains_a_step(tmp_path, monkeypatch):
     """The run's own engine plays the other seat: build_run hands every task the policy."""
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     moves = []
     real = EnginePolicy.__call__
@@ -207,7 +207,7 @@ def test_the_documented_self_play_config_trains_a_step(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_a_pipelines_evaluation_plays_the_other_seat_with_the_model_evaluated(monkeypatch):
-    from polyrl.train.pipeline import evaluate_domains
+    from polyrl.run.pipeline import evaluate_domains
 
     engines = []
     real = EnginePolicy.__call__

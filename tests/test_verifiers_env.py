@@ -11,7 +11,7 @@ import pytest
 from polyrl.config import ConfigError, TaskConfig
 from polyrl.config_check import load_config
 from polyrl.envs.base import make_task
-from polyrl.train.loop import train
+from polyrl.run.loop import train
 
 TINY = {"model": {"name": "tiny-random", "bf16": False}, "optim": {"lr": 1e-3},
         "logging": {"progress": False, "tensorboard": False, "report": False}}

@@ -363,7 +363,7 @@ def test_polyrl_train_exits_2_with_one_line_and_leaves_the_run_dir_alone(tmp_pat
 def test_a_bad_row_or_a_failed_audit_stops_training_before_the_run_dir_is_touched(tmp_path, monkeypatch):
     """The CLI turns these ValueErrors into exit 2 as above; here in-process, as importing the trainer in a
     subprocess costs ~10 s on two cores."""
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     monkeypatch.chdir(tmp_path)
     run_dir, before = _run_dir_with_an_earlier_run(tmp_path)
@@ -541,7 +541,7 @@ RUN = {"train": {"steps": 2}, "rollout": {"prompts_per_step": 2, "group_size": 2
 
 
 def _train(tmp_path: Path, task: dict, tok, prompts: set[str]) -> tuple[dict, list[dict], list[str]]:
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     task = {"eval_size": 4, "held_out_fraction": 0.25, **task}
     cfg = load_config(None, data={**TINY, **RUN, "tasks": [task]})
@@ -604,7 +604,7 @@ def score(completion, item):
 def test_a_reward_that_raises_during_training_scores_zero_and_is_counted(tmp_path, monkeypatch, one_thread):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "yourdata_flaky.py").write_text(FLAKY_REWARD)
-    from polyrl.train.loop import train
+    from polyrl.run.loop import train
 
     rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(24)]
     cfg = load_config(None, data={**TINY, **RUN, "eval": {"before": False, "after": False},

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from polyrl.config import AlgorithmConfig, OptimConfig
+from polyrl.learner.learner import Learner
 from polyrl.models.loading import tiny_random_model
-from polyrl.train.learner import Learner
 from polyrl.types import Trajectory
 
 

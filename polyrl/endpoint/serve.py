@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from polyrl.checkpoint.store import latest_checkpoint
 from polyrl.endpoint.server import Endpoint, EndpointServer, Sampling
 from polyrl.engines.hf import HFEngine
 from polyrl.models.device import resolve_bf16
 from polyrl.models.loading import load_model, load_tokenizer
-from polyrl.train.checkpoint import latest_checkpoint
 
 
 def resolve_source(source: str) -> str:

@@ -2,7 +2,7 @@
 
 For each task: where its items come from and how many there are (training, held out, skipped, prompts in
 both), a few prompts rendered through the model's chat template, prompt lengths in tokens, and the reward
-audit (``polyrl.rewards.audit``). Nothing is trained or written.
+audit (``polyrl.envs.reward_audit``). Nothing is trained or written.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from polyrl.data.items import DatasetSource
 from polyrl.envs.agent import AgentTask
 from polyrl.envs.base import Task, env_name, make_task
 from polyrl.envs.dataset import DatasetTask
-from polyrl.rewards.audit import audit_task
+from polyrl.envs.reward_audit import audit_task
 
 LENGTH_SAMPLE = 1000
 """Training prompts measured for the length statistics (the first ones of the stream)."""

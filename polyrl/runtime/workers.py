@@ -23,13 +23,13 @@ import sys
 import threading
 from typing import Any
 
+from polyrl.checkpoint import faults
 from polyrl.parallel.group import SHARD_SEED_STRIDE, contiguous_shards
 from polyrl.parallel.launch import free_port
 from polyrl.parallel.sync_group import SyncGroup, join_sync_group
 from polyrl.parallel.weight_sync import WeightReceiver, WeightSender
 from polyrl.placement import PlacementError, capacity_problem
 from polyrl.runtime.stepper import snapshot
-from polyrl.train import faults
 from polyrl.train.step import build_run, local_rollout
 from polyrl.types import Trajectory
 from polyrl.waits import is_timeout, ray_get

@@ -1,7 +1,7 @@
 """The agent features of ``config.agents`` (docs/agents.md), each one object or function, in the order a step
 uses them: ``GroupRollout`` plays the groups (ARPO trees, early stop, agent tasks through the policy's
 endpoint), ``Replay`` holds success and prompt replay (checkpointed), ``episode_metrics`` reads ARPO, early
-stop and tool calls off the step's episodes (step credit is part of train/advantage_stage.py). Every feature
+stop and tool calls off the step's episodes (step credit is part of learner/advantage_stage.py). Every feature
 is off by default, which leaves plain rollouts."""
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """The multi-task features of a step beyond the task mixture: the curriculum's mixture, levels and
-observations (``data/curriculum.py``) and cross-policy sampling (``CrossPolicy``). Weighted reward components
-are ``rewards/mix.py``'s ``RewardMixer``; task-advantage normalisation is part of ``assign_advantages``."""
+observations (``envs/curriculum.py``) and cross-policy sampling (``CrossPolicy``). Weighted reward components
+are ``envs/reward_mix.py``'s ``RewardMixer``; task-advantage normalisation is part of ``assign_advantages``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from polyrl.config import Config, TaskConfig
-from polyrl.data.curriculum import Curriculum
 from polyrl.data.sampler import TaskSampler
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import Task, make_task
+from polyrl.envs.curriculum import Curriculum
 from polyrl.models.device import model_bf16, resolve_device
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.train.agents import GroupRollout, Requests

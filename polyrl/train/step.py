@@ -1,7 +1,7 @@
 """One RL step, in two halves that every runtime composes: ``produce_batch`` (sample tasks -> roll out ->
 score -> advantages) and ``learn_batch`` (loss -> update -> sync weights), plus ``build_run``, which builds what
 a run holds, and ``rl_step``, the synchronous step of the diagram in docs/ARCHITECTURE.md. The local loop
-(``train/loop.py``) and the async and Ray runtimes (``polyrl/runtime/``) all call these."""
+(``run/loop.py``) and the async and Ray runtimes (``polyrl/runtime/``) all call these."""
 
 from __future__ import annotations
 
@@ -17,29 +17,29 @@ from typing import Any
 import torch
 
 from polyrl.algorithms.reward_shaping import shape_rewards
+from polyrl.checkpoint import faults
 from polyrl.config import Config
-from polyrl.data.curriculum import Curriculum
 from polyrl.data.dynamic_sampling import Sampled, dynamic_sample
 from polyrl.data.sampler import TaskSampler
 from polyrl.engines import make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.agent import AgentTask
 from polyrl.envs.base import Task, env_name, make_task
+from polyrl.envs.curriculum import Curriculum
+from polyrl.envs.reward_mix import RewardMixer
+from polyrl.learner.advantage_stage import assign_advantages
+from polyrl.learner.learner import Learner
 from polyrl.models.device import model_bf16, resolve_device
 from polyrl.models.loading import holds_bf16_weights, load_model, load_tokenizer
 from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import SHARD_SEED_STRIDE, all_gather_objects, contiguous_shards, current
 from polyrl.rewards.functions import reward_error_metrics
-from polyrl.rewards.mix import RewardMixer
 from polyrl.rewards.monitors import RewardMonitor, monitor_kind, monitor_metrics
 from polyrl.rollout.multi_turn import evaluate, rollout_metrics
 from polyrl.rollout.policy_chat import EnginePolicy
-from polyrl.train import faults
-from polyrl.train.advantage_stage import assign_advantages
 from polyrl.train.agents import GroupRollout, Replay, Requests, add_metrics, episode_metrics
 from polyrl.train.glibc_malloc import give_back_freed_memory, keep_freed_memory, memory_budget, trim_above
 from polyrl.train.guidance import Guidance
-from polyrl.train.learner import Learner
 from polyrl.train.multitask import CrossPolicy, build_curriculum, level_task, observe_curriculum, set_mixture
 from polyrl.train.teachers import load_teachers
 from polyrl.types import Trajectory

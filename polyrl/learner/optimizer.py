@@ -38,7 +38,7 @@ def make_optimizer(
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler) -> dict:
-    """What a checkpoint keeps of the optimizer (``train/checkpoint.py`` saves it beside the weights)."""
+    """What a checkpoint keeps of the optimizer (``checkpoint/store.py`` saves it beside the weights)."""
     return {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
 
 

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache, PreTrainedModel
 
+from polyrl.learner.batch import Batch
 from polyrl.models.device import to_device
 from polyrl.models.forward import FLOAT32_SDPA, checkpointing_active, decoder_forward, full_attention_only
-from polyrl.train.batch import Batch
 
 BUCKET_OVERHEAD = 32
 """What one more bucket costs (another pass through every layer, forward and backward), in response

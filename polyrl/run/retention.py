@@ -21,10 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from polyrl.checkpoint.store import latest_checkpoint
 from polyrl.config import Config
 from polyrl.config_check import load_config
-from polyrl.train.checkpoint import latest_checkpoint
-from polyrl.train.loop import train
+from polyrl.run.loop import train
 
 # Validation items come from the tasks' held-out generator under seed + this offset: reasoning-gym item i of
 # seed s is generated from s + i, so with eval_size below the offset they never coincide with reported items.

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from polyrl.train import faults
+from polyrl.checkpoint import faults
 
 log = logging.getLogger(__name__)
 

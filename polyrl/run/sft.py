@@ -21,18 +21,18 @@ from typing import Any
 
 import torch
 
+from polyrl.checkpoint import faults
+from polyrl.checkpoint.store import checkpoint_to_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from polyrl.config import Config, dump_config
 from polyrl.data.sampler import TaskSampler
 from polyrl.envs.base import Task, make_task
+from polyrl.learner.batch import collate
+from polyrl.learner.logprobs import token_logprobs
+from polyrl.learner.optimizer import load_optimizer_state, make_optimizer, optimizer_state, schedule_step
 from polyrl.models.device import model_bf16
 from polyrl.observe.metrics import open_metrics_logger
 from polyrl.rollout.render import ChatRenderer
-from polyrl.train import faults
-from polyrl.train.batch import collate
-from polyrl.train.checkpoint import checkpoint_to_resume, latest_checkpoint, load_checkpoint, save_checkpoint
 from polyrl.train.demonstrations import demonstration_example
-from polyrl.train.logprobs import token_logprobs
-from polyrl.train.optimizer import load_optimizer_state, make_optimizer, optimizer_state, schedule_step
 from polyrl.train.step import load_policy
 from polyrl.train.teacher_examples import TeacherExamples
 from polyrl.types import Trajectory

@@ -1,5 +1,5 @@
-"""The learner: turns scored trajectories into one optimizer update (batches: ``train/batch.py``; log-probs:
-``train/logprobs.py``, the body's forward pass in ``train/forward_pass.py``)."""
+"""The learner: turns scored trajectories into one optimizer update (batches: ``learner/batch.py``; log-probs:
+``learner/logprobs.py``, the body's forward pass in ``learner/forward_pass.py``)."""
 
 from __future__ import annotations
 
@@ -16,17 +16,17 @@ from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED, LOSSES
 from polyrl.algorithms.mismatch import mismatch_sums
 from polyrl.algorithms.validate import anchor_topk_size
 from polyrl.config import AlgorithmConfig, LearnerConfig, OptimConfig
+from polyrl.learner.advantage_stage import token_advantages
+from polyrl.learner.batch import Batch, collate
+from polyrl.learner.logprobs import response_logits
+from polyrl.learner.loss_terms import LOSS_TERMS, LossInputs
+from polyrl.learner.optimizer import load_optimizer_state, make_optimizer, optimizer_state, schedule_step
+from polyrl.learner.policy_pass import PolicyPass
+from polyrl.learner.task_gradients import combine, put_local_grads, take_local_grads
+from polyrl.learner.update_metrics import UpdateMetrics, add_sums
 from polyrl.models.forward import enable_activation_checkpointing
 from polyrl.parallel.fsdp import clip_grad_norm, shard_module
 from polyrl.parallel.group import balanced_shards, current
-from polyrl.train.advantage_stage import token_advantages
-from polyrl.train.batch import Batch, collate
-from polyrl.train.logprobs import response_logits
-from polyrl.train.loss_terms import LOSS_TERMS, LossInputs
-from polyrl.train.optimizer import load_optimizer_state, make_optimizer, optimizer_state, schedule_step
-from polyrl.train.policy_pass import PolicyPass
-from polyrl.train.task_gradients import combine, put_local_grads, take_local_grads
-from polyrl.train.update_metrics import UpdateMetrics, add_sums
 from polyrl.types import Trajectory
 
 
@@ -176,7 +176,7 @@ class Learner:
         task_metrics: dict[str, float] = {}
         for epoch in range(algo.epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            if per_task:  # the passes once per task, then the tasks' gradients combined (train/task_gradients.py)
+            if per_task:  # the passes once per task, then the tasks' gradients combined (learner/task_gradients.py)
                 grads = []
                 for name in task_names:
                     rows = torch.tensor([float(t.task == name) for t in trajectories], device=self.device)

@@ -22,7 +22,7 @@ from polyrl.algorithms.gae import gae, terminal_rewards
 from polyrl.algorithms.step_credit import apply_step_credit, attribute_tree_advantages
 from polyrl.algorithms.task_norm import task_normalise
 from polyrl.config import AgentsConfig, AlgorithmConfig
-from polyrl.train.batch import Batch
+from polyrl.learner.batch import Batch
 from polyrl.types import Trajectory
 
 

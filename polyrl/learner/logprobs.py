@@ -1,4 +1,4 @@
-"""Log-probs of response tokens from a policy: the decoder body's pass (``train/forward_pass.py``), then the
+"""Log-probs of response tokens from a policy: the decoder body's pass (``learner/forward_pass.py``), then the
 output head in float32 on the positions that predict response tokens, in chunks so the [B, R, V] logits never
 exist whole (``chunked_logprobs``)."""
 
@@ -10,10 +10,10 @@ import torch
 import torch.utils.checkpoint
 from transformers import PreTrainedModel
 
+from polyrl.learner.batch import Batch
+from polyrl.learner.bf16_head import head_logprobs
+from polyrl.learner.forward_pass import response_hidden
 from polyrl.models.forward import head_logits
-from polyrl.train.batch import Batch
-from polyrl.train.bf16_head import head_logprobs
-from polyrl.train.forward_pass import response_hidden
 
 
 def token_logprobs(
@@ -77,7 +77,7 @@ def chunked_logprobs(
     in the backward pass, so the float32 [B, R, V] logits (and their softmax and gradient) never exist whole.
     The cost is one more output-head matmul per position in the backward pass. With ``bf16_backward`` (for
     bf16-autocast training; not with ``entropy_grad``) each chunk instead keeps its softmax in bf16 and runs
-    the backward matmuls in bf16 (``train/bf16_head.py``): no recomputation, and the rest at twice the rate.
+    the backward matmuls in bf16 (``learner/bf16_head.py``): no recomputation, and the rest at twice the rate.
     """
     head = model.get_output_embeddings()
     grad = torch.is_grad_enabled() and hidden.requires_grad

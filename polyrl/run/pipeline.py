@@ -7,7 +7,7 @@ RUN_DIR/registry.json. A task that falls more than ``pipeline.regression_thresho
 reported, and with ``pipeline.on_regression: distill`` a distill stage is inserted that teaches it from its best
 checkpoint (multi-teacher on-policy distillation, ``algorithms/distill.py``). A distill stage teaches every task,
 those whose best is its own starting checkpoint included (retention: they are held where they are while the
-others move), and is skipped when every task's teacher is its start. ``train/retention.py`` adds replay of
+others move), and is skipped when every task's teacher is its start. ``run/retention.py`` adds replay of
 earlier domains with a KL to their best checkpoints in RL stages, RL stages that keep their best validated
 part, and early stopping of distill stages.
 
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from polyrl.checkpoint.store import latest_checkpoint
 from polyrl.config import Config, ConfigError, StageConfig
 from polyrl.config_check import load_config
 from polyrl.engines.hf import HFEngine
@@ -31,10 +32,9 @@ from polyrl.models.device import model_bf16, resolve_device
 from polyrl.models.loading import load_model, load_tokenizer
 from polyrl.rollout.multi_turn import evaluate
 from polyrl.rollout.policy_chat import EnginePolicy
-from polyrl.train.checkpoint import latest_checkpoint
-from polyrl.train.loop import train
-from polyrl.train.retention import distill_until_within, replay_weights, rl_keep_best, validation_config
-from polyrl.train.sft import train_sft
+from polyrl.run.loop import train
+from polyrl.run.retention import distill_until_within, replay_weights, rl_keep_best, validation_config
+from polyrl.run.sft import train_sft
 
 STATE = "stages.json"
 # Accuracies are fractions of item counts: 0.20 - 0.18 is a 2-point drop, not "more than 0.02".

@@ -17,8 +17,8 @@ from polyrl.algorithms.gae import value_loss
 from polyrl.algorithms.guidance import shaped_reference_loss
 from polyrl.algorithms.validate import takes_behaviour
 from polyrl.config import AlgorithmConfig
-from polyrl.train.advantage_stage import TokenAdvantages
-from polyrl.train.batch import Batch
+from polyrl.learner.advantage_stage import TokenAdvantages
+from polyrl.learner.batch import Batch
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ import torch
 from transformers import PreTrainedModel
 
 from polyrl.algorithms.gae import ValueHead
+from polyrl.learner.batch import Batch
+from polyrl.learner.forward_pass import response_hidden
+from polyrl.learner.logprobs import HEAD_CHUNK, chunked_logprobs, logprobs_from_logits, token_logprobs
 from polyrl.models.forward import autocast_context, head_logits
-from polyrl.train.batch import Batch
-from polyrl.train.forward_pass import response_hidden
-from polyrl.train.logprobs import HEAD_CHUNK, chunked_logprobs, logprobs_from_logits, token_logprobs
 
 PassOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 """(log-probs [B, R], entropy [B, R], values [B, R] or None, logits [B, R, V] or None)."""

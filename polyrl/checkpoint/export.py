@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from polyrl.checkpoint.sharded import HF_DIR, META, is_sharded, read_model_tensors
+from polyrl.checkpoint.store import MANIFEST, latest_checkpoint, verify_checkpoint
 from polyrl.models.loading import load_model, load_tokenizer
-from polyrl.parallel.checkpoint import HF_DIR, META, is_sharded, read_model_tensors
-from polyrl.train.checkpoint import MANIFEST, latest_checkpoint, verify_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ def _tokenizer(hf_dir: Path, base: str | torch.nn.Module | None) -> Any:
 
 
 def _from_hf_checkpoint(ckpt: Path, base: str | torch.nn.Module | None, merge: bool):
-    """A one-process checkpoint (``train/checkpoint.py``): HF weights already; loaded and saved again, so the
+    """A one-process checkpoint (``checkpoint/store.py``): HF weights already; loaded and saved again, so the
     output holds only what an HF directory holds (no optimizer, RNG or manifest)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

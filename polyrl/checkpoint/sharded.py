@@ -1,5 +1,5 @@
 """Sharded checkpoints for the data-parallel learner: each rank writes its own shards with
-``torch.distributed.checkpoint`` (DCP), atomically like ``polyrl/train/checkpoint.py`` (temp dir, fsync, rename,
+``torch.distributed.checkpoint`` (DCP), atomically like ``polyrl/checkpoint/store.py`` (temp dir, fsync, rename,
 a manifest of sha256 checksums), so ``latest_checkpoint`` / ``verify_checkpoint`` apply to both kinds.
 
 Layout of ``step-N/``::
@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from polyrl.train import faults
-from polyrl.train.checkpoint import MANIFEST, _fsync_dir, _sha256, rng_state, set_rng_state
+from polyrl.checkpoint import faults
+from polyrl.checkpoint.store import MANIFEST, _fsync_dir, _sha256, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 

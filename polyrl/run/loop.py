@@ -10,23 +10,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from polyrl.checkpoint import faults
+from polyrl.checkpoint.sharded import is_sharded, load_sharded, save_sharded
+from polyrl.checkpoint.store import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from polyrl.config import Config, dump_config
 from polyrl.data.items import DatasetSource
+from polyrl.envs.reward_audit import audit_tasks
 from polyrl.models.device import resolve_device
 from polyrl.models.loading import TINY_ALIAS, load_tokenizer, resolve_model_path
 from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
 from polyrl.observe.progress import TrainProgress
 from polyrl.observe.report import write_report_safely
-from polyrl.parallel.checkpoint import is_sharded, load_sharded, save_sharded
 from polyrl.parallel.fsdp import gather_into
 from polyrl.parallel.group import RankFailedError, all_reduce_max, current, join_group, leave_group
 from polyrl.parallel.launch import launch_ranks
-from polyrl.rewards.audit import audit_tasks
 from polyrl.runtime import make_stepper
 from polyrl.runtime.ray_ranks import train_on_ray_ranks
 from polyrl.runtime.stepper import load_producer_state
-from polyrl.train import faults
-from polyrl.train.checkpoint import checkpoint_to_resume, load_checkpoint, save_checkpoint
 from polyrl.train.step import NonFiniteError, Run, build_run, evaluate_all
 
 
@@ -132,7 +132,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
 
 def _save(run: Run, step: int, state: dict[str, Any]) -> None:
     """Checkpoint ``step``: in one process an HF directory with the optimizer beside it; under several ranks
-    every rank writes its shards (``parallel/checkpoint.py``), which resume at any world size."""
+    every rank writes its shards (``checkpoint/sharded.py``), which resume at any world size."""
     keep = run.config.train.keep_checkpoints
     if not current().distributed:
         save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.learner.state_dict(), state, keep=keep)
