@@ -1,15 +1,14 @@
-"""Generation engines behind one interface: ``generate(prompts, n, max_new_tokens, temperature, top_p, seed)``
-returning per-prompt groups of ``Completion`` (token ids as sampled, behaviour log-probs, finished flag), and
-``sync()`` after each learner update. ``make_engine`` picks one from ``engine.kind``."""
+"""Generation engines behind one interface, ``Engine`` (engines/protocol.py): ``generate`` returning per-prompt
+groups of ``Completion`` (token ids as sampled, behaviour log-probs, finished flag), ``sync()`` after each
+learner update, ``release_memory()`` before it. ``make_engine`` picks one from ``engine.kind``."""
 
 from __future__ import annotations
-
-from typing import Any
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.config import Config
 from polyrl.engines.hf import HFEngine
+from polyrl.engines.protocol import Engine
 from polyrl.engines.recompute import RecomputeLogprobs
 from polyrl.models.device import engine_bf16, model_bf16
 
@@ -24,7 +23,7 @@ class EngineUnavailableError(RuntimeError):
     """The configured engine cannot run in this environment."""
 
 
-def make_engine(config: Config, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Any:
+def make_engine(config: Config, policy: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Engine:
     """The engine ``config.engine.kind`` names, sampling from ``policy``; with ``engine.recompute_logprobs``
     its behaviour log-probs are replaced by the policy's own."""
     cfg = config.engine
@@ -35,7 +34,7 @@ def make_engine(config: Config, policy: PreTrainedModel, tokenizer: PreTrainedTo
             raise EngineUnavailableError(VLLM_INSTALL_HINT) from None
         from polyrl.engines.vllm import VLLMEngine  # imports vllm, an optional extra
 
-        engine: Any = VLLMEngine(
+        engine: Engine = VLLMEngine(
             policy, tokenizer, config.model.name, cfg.vllm, lora_rank=config.model.lora.r if config.model.lora else 0,
             seed=config.train.seed,
         )

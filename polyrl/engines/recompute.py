@@ -69,8 +69,14 @@ class RecomputeLogprobs:
         self.bf16 = bf16
 
     def __getattr__(self, name: str) -> Any:
-        # tokenizer, stop_ids, pad_id, sync ... are the wrapped engine's.
+        # tokenizer, stop_ids, pad_id ... are the wrapped engine's.
         return getattr(self.engine, name)
+
+    def sync(self) -> None:
+        self.engine.sync()
+
+    def release_memory(self, until_used: bool = False) -> None:
+        self.engine.release_memory(until_used)
 
     def generate(
         self,

@@ -166,8 +166,9 @@ class VLLMEngine:
         )
         self.sync()
 
-    def release_memory(self) -> None:
-        """Before an update, with ``sleep_mode``: free vLLM's GPU memory until the next ``sync``."""
+    def release_memory(self, until_used: bool = False) -> None:
+        """Before an update, with ``sleep_mode``: free vLLM's GPU memory until the next ``sync`` (which every
+        use of this engine follows, so ``until_used`` changes nothing)."""
         if self.sleep_level and not self.asleep:
             self.llm.sleep(level=self.sleep_level)
             self.asleep = True

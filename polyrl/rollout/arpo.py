@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from polyrl.config import ArpoConfig, RolloutConfig
-from polyrl.engines.hf import Completion, HFEngine
+from polyrl.engines.hf import Completion
+from polyrl.engines.protocol import Engine
 from polyrl.envs.base import Task
 from polyrl.rollout.early_stop import EarlyStopper
 from polyrl.rollout.multi_turn import TURN_SEED_STRIDE, Episode, advance_all, start_episode, to_trajectory
@@ -64,7 +65,7 @@ def should_branch(initial: float | None, entropy: float, threshold: float) -> bo
 
 
 def arpo_rollout(
-    engine: HFEngine,
+    engine: Engine,
     requests: list[tuple[Task, int, dict[str, Any]]],
     config: RolloutConfig,
     cfg: ArpoConfig,

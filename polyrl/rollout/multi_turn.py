@@ -18,7 +18,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from polyrl.config import RolloutConfig
-from polyrl.engines.hf import Completion, HFEngine
+from polyrl.engines.hf import Completion
+from polyrl.engines.protocol import Engine
 from polyrl.envs.base import Env, Message, StepResult, Task
 from polyrl.parallel.group import contiguous_shards
 from polyrl.rollout.early_stop import EarlyStopper
@@ -144,7 +145,7 @@ class Turn:
     stopped: bool
 
 
-def take_turn(episode: Episode, completion: Completion, limit: int, version: int, engine: HFEngine) -> Turn:
+def take_turn(episode: Episode, completion: Completion, limit: int, version: int, engine: Engine) -> Turn:
     """Append one model turn's tokens; the env has not seen the reply yet."""
     e, tok = episode, engine.tokenizer
     ids, logprobs = completion.token_ids[:limit], completion.logprobs[:limit]
@@ -156,7 +157,7 @@ def take_turn(episode: Episode, completion: Completion, limit: int, version: int
     return Turn(e, _decode(tok, ids[:-1] if stopped else ids), ids, stopped)
 
 
-def finish_turn(turn: Turn, result: StepResult, version: int, engine: HFEngine) -> None:
+def finish_turn(turn: Turn, result: StepResult, version: int, engine: Engine) -> None:
     """Record the env's answer to a turn and append its observation tokens (or end the episode)."""
     e, tok, reply, ids, stopped = turn.episode, engine.tokenizer, turn.reply, turn.ids, turn.stopped
     observations, reward, done, info = result
@@ -187,7 +188,7 @@ def finish_turn(turn: Turn, result: StepResult, version: int, engine: HFEngine) 
     e.states.append(state_key(observations, info))
 
 
-def advance(episode: Episode, completion: Completion, limit: int, version: int, engine: HFEngine) -> None:
+def advance(episode: Episode, completion: Completion, limit: int, version: int, engine: Engine) -> None:
     """Append one model turn, step the env, and append its observation tokens (or end the episode)."""
     turn = take_turn(episode, completion, limit, version, engine)
     finish_turn(turn, episode.env.step(turn.reply), version, engine)
@@ -228,7 +229,7 @@ def advance_all(
     completions: list[Completion],
     limits: list[int],
     version: int,
-    engine: HFEngine,
+    engine: Engine,
     stopper: EarlyStopper | None = None,
 ) -> None:
     """``advance`` for every episode of one turn, their env steps run together (``step_envs``); a completion
@@ -282,7 +283,7 @@ def greedy(max_new_tokens: int) -> RolloutConfig:
 
 
 def rollout(
-    engine: HFEngine,
+    engine: Engine,
     requests: list[tuple[Task, int, dict[str, Any]]],
     config: RolloutConfig,
     seed: int,
@@ -301,7 +302,7 @@ def rollout(
 
 
 def play(
-    engine: HFEngine,
+    engine: Engine,
     requests: list[tuple[Task, int, dict[str, Any]]],
     config: RolloutConfig,
     seed: int,
@@ -343,7 +344,7 @@ def play(
 
 
 def evaluate(
-    engine: HFEngine, task: Task, n: int | None, max_new_tokens: int, batch_size: int = 64,
+    engine: Engine, task: Task, n: int | None, max_new_tokens: int, batch_size: int = 64,
     part: tuple[int, int] = (0, 1),
 ) -> dict[str, float]:
     """Greedy episodes on the task's held-out items (the same items for every call with the same seed).

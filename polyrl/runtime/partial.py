@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from polyrl.engines.hf import Completion, HFEngine
+from polyrl.engines.hf import Completion
+from polyrl.engines.protocol import Engine
 
 CHUNK_SEED_STRIDE = 7_919_993  # later chunks draw from seeds far from the first chunk's
 
@@ -26,9 +27,15 @@ class VersionedCompletion(Completion):
 class PartialEngine:
     """An engine whose completions may span several policy versions."""
 
-    def __init__(self, engine: HFEngine, chunk_tokens: int, refresh: Callable[[], int]) -> None:
+    def __init__(self, engine: Engine, chunk_tokens: int, refresh: Callable[[], int]) -> None:
         self.engine, self.chunk, self.refresh = engine, chunk_tokens, refresh
         self.tokenizer, self.pad_id, self.stop_ids = engine.tokenizer, engine.pad_id, engine.stop_ids
+
+    def sync(self) -> None:
+        self.engine.sync()
+
+    def release_memory(self, until_used: bool = False) -> None:
+        """Nothing: chunks keep being generated while the learner updates, so the engine's weights stay."""
 
     def generate(
         self,
@@ -40,7 +47,7 @@ class PartialEngine:
         seed: int = 0,
         **unsupported,
     ) -> list[list[VersionedCompletion]]:
-        """As ``HFEngine.generate``; result[i][j] is the j-th sample of prompt i, tokens tagged by version."""
+        """As ``Engine.generate``; result[i][j] is the j-th sample of prompt i, tokens tagged by version."""
         if unsupported:
             raise ValueError(f"partial rollouts do not support generate({', '.join(unsupported)}=...)")
         version = self.refresh()

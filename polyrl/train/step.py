@@ -23,6 +23,7 @@ from polyrl.data.dynamic_sampling import Sampled, dynamic_sample
 from polyrl.data.sampler import TaskSampler
 from polyrl.engines import make_engine
 from polyrl.engines.hf import HFEngine
+from polyrl.engines.protocol import Engine
 from polyrl.envs.agent import AgentTask
 from polyrl.envs.base import Task, env_name, make_task
 from polyrl.envs.curriculum import Curriculum
@@ -63,7 +64,7 @@ class Run:
     unsharded copy refreshed after each update under a sharded learner."""
     tokenizer: Any
     tasks: dict[str, Task]
-    engine: HFEngine
+    engine: Engine
     learner: Learner
     sampler: TaskSampler
     group_rollout: GroupRollout
@@ -245,9 +246,7 @@ def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
     faults.point("update", batch.step)
     if not batch.kept:  # every episode of the step was dropped (agent tasks): nothing to learn, weights unchanged
         return {"skipped_updates": 0.0, "empty_batch": 1.0}, time.perf_counter() - t1
-    release = getattr(run.engine, "release_memory", None)  # engines without memory to give back may omit it
-    if release is not None:
-        release()  # a colocated vLLM with sleep_mode frees the GPU for the update until the sync
+    run.engine.release_memory()  # e.g. a colocated vLLM with sleep_mode frees the GPU for the update until the sync
     # The update is the step's highest memory: past the budget, it starts with the freed memory given back.
     # (Not logged: metrics.jsonl holds what a seed determines, and resident memory is the machine's.)
     trim_above(run.memory_budget)
@@ -319,7 +318,7 @@ def evaluate_all(run: Run) -> dict[str, float]:
             run.engine.sync()
 
 
-def _evaluate_tasks(run: Run, engine: HFEngine) -> dict[str, float]:
+def _evaluate_tasks(run: Run, engine: Engine) -> dict[str, float]:
     cfg, ranks = run.config, current()
     # Evaluation's caches come on top of everything training holds, and it runs seldom: it always starts with the
     # freed memory given back, for a few page faults per evaluation.
