@@ -18,7 +18,7 @@ files (pyarrow's default row groups) of 1,000 and 1,000,000 rows, then, for each
 Each measurement is repeated (``--repeats``, the files taking turns) and reported as min and max; each large
 file is compared with the 1,000-row file of its format, so that what both share (Python, torch, the model,
 pyarrow's libraries for parquet) cancels out. Results: benchmarks/results/large_data.json, and a
-table in docs/performance.md ("Large datasets").
+table in docs/results/large-data.md.
 
     python benchmarks/large_data.py                       # ~5 min on 2 cores
     python benchmarks/large_data.py --rows 100000 --repeats 1 --no-doc --out /tmp/large_data.json
@@ -316,7 +316,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", type=Path, help="write the dataset files here and keep them (default: a temp folder)")
     ap.add_argument("--no-profile", action="store_true", help="skip the cProfile of make_task")
-    ap.add_argument("--no-doc", action="store_true", help="do not write the table into docs/performance.md")
+    ap.add_argument("--no-doc", action="store_true", help="do not write the table into docs/results/large-data.md")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--table-only", action="store_true", help="rewrite the docs' table from --out; run nothing")
     ap.add_argument("--task-build", type=Path, help=argparse.SUPPRESS)  # worker: one make_task, JSON on stdout
@@ -335,7 +335,7 @@ def main() -> None:
                 result["added_over_small"][key] = added(d["summary"],
                                                         result["datasets"][key.replace("_large", "_small")]["summary"])
         args.out.write_text(json.dumps(result, indent=2) + "\n")
-        replace_block(ROOT / "docs" / "performance.md", START, END, table(result), "Large datasets")
+        replace_block(ROOT / "docs" / "results" / "large-data.md", START, END, table(result), "Large datasets")
         print(table(result))
         return
 
@@ -374,7 +374,7 @@ def main() -> None:
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     block = table(result)
     if not args.no_doc:
-        replace_block(ROOT / "docs" / "performance.md", START, END, block, "Large datasets")
+        replace_block(ROOT / "docs" / "results" / "large-data.md", START, END, block, "Large datasets")
     print(block)
 
 

@@ -7,7 +7,7 @@
 Each tier is ``bash scripts/test.sh`` (``--fast``) on this checkout, timed from start to exit; its pytest summary
 line (passed, skipped, failed) and the ten slowest tests are kept. Run it on an idle machine: the suite uses
 both pytest-xdist workers. Results: benchmarks/results/suite_time.json (one record per run, appended), and
-every record as the table in docs/performance.md ("Test suite").
+every record as the table in docs/testing.md ("Wall time").
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.doc_block import replace_block  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "suite_time.json"
-DOC = ROOT / "docs" / "performance.md"
+DOC = ROOT / "docs" / "testing.md"
 START, END = "<!-- test-suite:start -->", "<!-- test-suite:end -->"
 TIERS = {"full": [], "fast": ["--fast"]}
 

@@ -2,7 +2,7 @@
 (``python make_data.py``, then ``polyrl train config.yaml``), held-out accuracy before and after.
 
 Each seed runs in a fresh copy of the example folder; the results go to benchmarks/results/your_data.json and a
-table into docs/performance.md ("Your data").
+table into docs/your-data.md.
 
     python benchmarks/your_data.py                 # seed 0, ~9 min on 2 cores
     python benchmarks/your_data.py --seeds 0 1 2
@@ -28,7 +28,7 @@ from large_data import machine  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "your_data"
 RESULTS = ROOT / "benchmarks" / "results" / "your_data.json"
-DOC = ROOT / "docs" / "performance.md"
+DOC = ROOT / "docs" / "your-data.md"
 START, END = "<!-- your-data:start -->", "<!-- your-data:end -->"
 
 
