@@ -10,7 +10,7 @@
   ``mismatch/`` metrics and held-out accuracy.
 
 Each writes benchmarks/results/algorithm_checks/<check>.json and its table between the
-``<!-- check:<check>:start/end -->`` markers of docs/algorithms.md (``--table-only`` rewrites the table from
+``<!-- check:<check>:start/end -->`` markers of docs/results/<check>.md (``--table-only`` rewrites the table from
 the JSON).
 
     python benchmarks/algorithm_checks.py try-again                 # ~15 min on 2 cores
@@ -202,9 +202,11 @@ def main() -> None:
     p.add_argument("--corrections", nargs="+", default=CORRECTIONS, help="off-policy: algorithm.off_policy values")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more overrides for every run")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "algorithm_checks")
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "algorithms.md")
+    p.add_argument("--doc", type=Path, default=None, help="default: docs/results/<check>.md")
     p.add_argument("--table-only", action="store_true", help="only rewrite the doc's table from --out's JSON")
     args = p.parse_args()
+    if args.doc is None:
+        args.doc = ROOT / "docs" / "results" / f"{args.check}.md"
     if args.config is None:
         args.config = ROOT / "configs" / ("cascade.yaml" if args.check == "pcgrad" else "quickstart.yaml")
     cfg = config(args.config, args.set, args.tasks if args.check == "pcgrad" else None)

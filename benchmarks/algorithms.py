@@ -2,8 +2,10 @@
 
 Every algorithm starts from the same model and seed, trains in this process until its budget of training
 time is spent (evaluation excluded), and is evaluated greedily on the held-out items at evenly spaced points
-in training time. The table and an accuracy-vs-time plot go into docs/algorithms.md (between the benchmark
-markers) and docs/algorithms.png; the raw numbers into benchmarks/results/algorithms.json.
+in training time. The table and an accuracy-vs-time plot go into docs/results/algorithms-time-budget.md
+(between the benchmark markers) and docs/results/algorithms.png; the raw numbers into
+benchmarks/results/algorithms.json. A sweep's table goes into docs/algorithms.md (``--block quickstart``) or
+docs/results/algorithms-<block>.md.
 
     pip install -e ".[bench]"
     python benchmarks/algorithms.py --minutes 3                    # the embedded default, ~35 min in all
@@ -46,7 +48,7 @@ ALGORITHMS: dict[str, list[str]] = {
     "cispo": ["algorithm.loss=cispo", "algorithm.clip_high=0.28", "algorithm.epochs=2"],
     "dapo": ["algorithm.clip_high=0.28", "algorithm.dynamic_sampling=true", "algorithm.max_extra_rounds=2",
              "algorithm.overlong_buffer={buffer}"],
-    "ppo_gae": ["algorithm.advantage=gae", "algorithm.lam=0.95", "algorithm.gamma=1.0"],
+    "ppo_gae": ["algorithm.critic.lam=0.95", "algorithm.critic.gamma=1.0"],
     "maxrl": ["algorithm.advantage=maxrl"],
     "dppo": ["algorithm.loss=dppo"],
     "sapo": ["algorithm.loss=sapo"],
@@ -294,8 +296,8 @@ def main() -> None:
     p.add_argument("--points", type=int, default=3, help="evaluations per run after the start, evenly spaced")
     p.add_argument("--eval-n", type=int, default=None, help="held-out items per task (default: the config's)")
     p.add_argument("--only", nargs="*", choices=list(ALGORITHMS), help="a subset of the algorithms")
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "algorithms.md")
-    p.add_argument("--png", type=Path, default=ROOT / "docs" / "algorithms.png")
+    p.add_argument("--doc", type=Path, default=None, help="default: where the docs keep this mode's table")
+    p.add_argument("--png", type=Path, default=ROOT / "docs" / "results" / "algorithms.png")
     p.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "algorithms.json")
     p.add_argument("--steps", type=int, default=None,
                    help="a sweep: this many updates per run (the schedule decays over them), at every --lrs and "
@@ -310,6 +312,11 @@ def main() -> None:
                    help="a sweep: take the runs this earlier sweep JSON of the same settings finished instead "
                         "of running them again")
     args = p.parse_args()
+    if args.doc is None:
+        sweep = args.steps is not None or args.merge
+        page = "algorithms.md" if sweep and args.block == "quickstart" else (
+            f"results/algorithms-{args.block}.md" if sweep else "results/algorithms-time-budget.md")
+        args.doc = ROOT / "docs" / page
     if args.merge:
         merge_sweeps(args.merge, args.json, args.doc, args.block)
         return
