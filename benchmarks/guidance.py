@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART_RESULTS = ROOT / "benchmarks" / "results" / "quickstart_seeds.json"
 RESULTS = ROOT / "benchmarks" / "results" / "guidance.json"
 DOC = ROOT / "docs" / "guidance.md"
+TASKS_DOC = ROOT / "docs" / "results" / "guidance-tasks.md"
 ARMS = {
     "today": ["guidance.reference=false"],  # the recipe before guidance
     "guided-luffy": ["guidance.reference=true", "guidance.shaping_gamma=0.1"],
@@ -109,7 +110,7 @@ def write_tables() -> None:
     replace_block(DOC, "<!-- guidance-quickstart:start -->", "<!-- guidance-quickstart:end -->", quickstart_table(),
                   "The quickstart, three seeds")
     if RESULTS.exists():
-        replace_block(DOC, "<!-- guidance-tasks:start -->", "<!-- guidance-tasks:end -->",
+        replace_block(TASKS_DOC, "<!-- guidance-tasks:start -->", "<!-- guidance-tasks:end -->",
                       tasks_table(json.loads(RESULTS.read_text())), "Tasks no config was tuned on")
 
 
