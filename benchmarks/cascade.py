@@ -6,7 +6,7 @@ benchmarks/results/cascade/<config>-<variant>-s<seed>.json: the domain x stage t
 whether every domain ends within ``--tolerance`` points of its best stage, the final mean over domains
 against the best single stage's, and the cost (samples, wall time). ``--plain`` runs the same stages without
 the retention mechanisms (no replay or retention KL, a distill stage of a fixed step count at the RL stages'
-rate and rollout), the baseline of the cost. ``--table-only`` rewrites the block of docs/multidomain.md from
+rate and rollout), the baseline of the cost. ``--table-only`` rewrites the block of docs/results/cascade.md from
 every JSON there.
 
     python benchmarks/cascade.py --seed 0                                  # tens of minutes on 2 cores
@@ -145,7 +145,7 @@ def main() -> None:
                     help="Keep the run here (default: a temp dir, removed at the end).")
     ap.add_argument("--resume", action="store_true", help="Finish (or only summarise) the run in --run-dir.")
     ap.add_argument("--out", type=Path, default=OUT, help="Folder of the JSON results.")
-    ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "multidomain.md")
+    ap.add_argument("--doc", type=Path, default=ROOT / "docs" / "results" / "cascade.md")
     ap.add_argument("--table-only", action="store_true", help="Only rewrite the doc block from --out.")
     args = ap.parse_args()
     if args.table_only:
