@@ -1,6 +1,6 @@
 """Runtimes on one mixed workload: samples/s and tokens/s for sync, async eta=1, async eta=2 and Ray with two
 rollout workers, plus reward per step at equal samples. Writes benchmarks/results/systems.json and the
-table in docs/systems.md.
+table in docs/results/runtimes.md.
 
     python benchmarks/systems.py [--model smollm2-135m-instruct] [--steps 5] [--sft-steps 4] [--start-model CKPT]
 
@@ -206,7 +206,7 @@ def main() -> None:
     results_path.parent.mkdir(parents=True, exist_ok=True)
     results_path.write_text(json.dumps({**meta, "runs": results}, indent=2))
     if "sync" in results and not args.no_doc and not args.tag:
-        replace_block(ROOT / "docs" / "systems.md", START, END, table(results, meta), "Throughput")
+        replace_block(ROOT / "docs" / "results" / "runtimes.md", START, END, table(results, meta), "Throughput")
 
 
 if __name__ == "__main__":
