@@ -9,7 +9,8 @@ from algo_helpers import fake_trajectories, make_learner
 from polyrl.algorithms import ADVANTAGES
 from polyrl.algorithms.gae import ValueHead, gae, terminal_rewards, value_loss
 from polyrl.algorithms.kl import kl_penalty_to_go
-from polyrl.learner.advantage_stage import token_advantages
+from polyrl.config import AgentsConfig, AlgorithmConfig, ConfigError, parse_config
+from polyrl.learner.advantage_stage import assign_advantages, token_advantages
 from polyrl.learner.batch import collate
 
 R = torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -110,11 +111,28 @@ def test_every_estimator_keeps_shape_and_dtype():
         assert torch.isfinite(out).all(), name
 
 
-def test_gae_entry_hands_the_outcome_reward_to_the_learner():
-    # advantage: gae has no sample-level estimate; the learner's critic makes the per-token advantages
-    r = torch.tensor([1.0, 0.0, 0.5])
-    out = ADVANTAGES["gae"](r, torch.tensor([0, 0, 1]))
-    assert out.tolist() == [1.0, 0.0, 0.5] and out.data_ptr() != r.data_ptr()
+def test_a_critic_hands_the_outcome_reward_to_the_learner():
+    # with a critic there is no sample-level estimate: the learner's GAE makes the per-token advantages
+    ts = fake_trajectories()
+    assign_advantages(ts, AlgorithmConfig(critic={}), AgentsConfig())
+    assert [t.advantage for t in ts] == [t.reward for t in ts] == [0.0, 1.0, 0.0, 1.0]
+    assign_advantages(ts, AlgorithmConfig(), AgentsConfig())  # GRPO's, for contrast: centred in the group
+    assert [t.advantage for t in ts] != [t.reward for t in ts]
+
+
+def test_critic_keys_moved_out_of_algorithm_are_refused_with_their_new_place():
+    task = {"tasks": [{"name": "chain_sum"}]}
+    for old, new in [("value_lr", "critic.lr"), ("gamma", "critic.gamma"), ("value_width", "critic.width")]:
+        with pytest.raises(ConfigError, match=rf"^config: algorithm\.{old}: moved to algorithm\.{new}$"):
+            parse_config(None, data={**task, "algorithm": {old: 1}})
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage: gae is declared as a critic now"):
+        parse_config(None, [], {**task, "algorithm": {"advantage": "gae"}})
+    with pytest.raises(ConfigError, match=r"algorithm\.advantage: 'rloo' is a sample-level estimator"):
+        parse_config(None, ["algorithm.critic={}"], {**task, "algorithm": {"advantage": "rloo"}})
+    cfg = parse_config(None, ["algorithm.critic.lam=0.9"], {**task, "algorithm": {"critic": {}}})
+    assert cfg.algorithm.critic.lam == 0.9 and cfg.algorithm.critic.width == 128
+    # a dumped config (every field written out, as a run directory keeps it) loads back
+    assert parse_config(None, data=cfg.model_dump(mode="json")).algorithm.critic == cfg.algorithm.critic
 
 
 def test_gae_lambda_one_is_return_minus_value():
@@ -185,7 +203,7 @@ def test_kl_in_reward_is_a_reward_to_go():
 
 
 def test_learner_turns_rewards_into_gae_advantages_and_trains_the_critic():
-    learner = make_learner(advantage="gae", value_lr=1e-2, lam=0.95, gamma=1.0, track_kl=False)
+    learner = make_learner(critic={"lr": 1e-2, "lam": 0.95, "gamma": 1.0}, track_kl=False)
     ts = fake_trajectories()  # rewards [0, 1, 0, 1], 3 response tokens each
     batch = collate(ts, pad_id=2)
     rewards = torch.tensor([t.reward for t in ts])
@@ -210,10 +228,10 @@ def test_learner_turns_rewards_into_gae_advantages_and_trains_the_critic():
 
 def test_the_critic_is_part_of_the_learner_state():
     # checkpoints store learner.state_dict(): a resumed PPO run must get its trained value head back
-    trained = make_learner(advantage="gae", value_lr=1e-2, track_kl=False)
+    trained = make_learner(critic={"lr": 1e-2}, track_kl=False)
     for _ in range(2):
         trained.update(fake_trajectories())
-    fresh = make_learner(advantage="gae", value_lr=1e-2, track_kl=False)
+    fresh = make_learner(critic={"lr": 1e-2}, track_kl=False)
     h = torch.randn(2, 3, fresh.value_head.net[0].in_features)
     assert not torch.allclose(fresh.value_head(h), trained.value_head(h))
     fresh.load_state_dict(trained.state_dict())

@@ -65,7 +65,7 @@ def test_assign_advantages_normalises_within_each_task():
 
 def test_task_norm_needs_a_sample_level_estimator():
     with pytest.raises(ValueError, match="algorithm.task_norm"):
-        AlgorithmConfig(task_norm=True, advantage="gae")
+        AlgorithmConfig(task_norm=True, critic={})
 
 
 def test_cross_policy_split_leaves_the_learner_a_group():

@@ -2,8 +2,7 @@
 
 Every estimator shares one signature, ``(rewards [N], group_ids [N], **kwargs) -> advantages [N]``: equal ids
 are samples of the same prompt, and each sample's scalar advantage is broadcast over its tokens by the loss.
-The ``gae`` entry is the exception: it hands rewards through, and the learner computes GAE's per-token
-advantages with its critic (``polyrl.algorithms.gae``).
+PPO's per-token advantages come from a critic instead (``algorithm.critic``, ``polyrl.algorithms.gae``).
 """
 
 from __future__ import annotations
@@ -99,17 +98,6 @@ def reinforce_pp_baseline_advantages(
     """
     mean, _, _ = _group_stats(rewards, group_ids)
     return _batch_whiten(rewards.double() - mean, eps).to(rewards.dtype)
-
-
-@ADVANTAGES.register("gae")
-def outcome_rewards_for_critic(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """What ``algorithm.advantage: gae`` does at the sample level: each sample's outcome reward, unchanged. It
-    is not an estimator: GAE (Schulman et al. 2016, Eq. 16) needs the critic's per-token values, so the learner
-    computes the advantages (``polyrl.algorithms.gae``), from this reward placed on each sequence's last token
-    as the return to propagate.
-    """
-    del group_ids
-    return rewards.clone()
 
 
 @ADVANTAGES.register("maxrl")

@@ -280,13 +280,34 @@ class RewardGateConfig(_Strict):
     """The components gated; empty: every component but ``outcome`` (e.g. ``overlong``, a judge's score)."""
 
 
+class CriticConfig(_Strict):
+    """PPO's critic (``algorithm.critic``): a value head on the policy's final hidden states, and advantages by
+    GAE (Schulman et al. 2016) from its values instead of a sample-level estimator."""
+
+    gamma: float = Field(1.0, ge=0, le=1)
+    """GAE's discount."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """GAE's lambda: 1 is Monte-Carlo returns minus the value, 0 is one-step TD."""
+    lr: float = Field(1e-3, gt=0)
+    """Learning rate of the value head; it learns from scratch, so faster than the policy."""
+    clip: float | None = Field(0.2, gt=0)
+    """PPO value clipping range; null is the plain squared error."""
+    width: int = Field(128, gt=0)
+    """Hidden width of the value head's MLP."""
+
+
+MOVED_ALGORITHM_KEYS = {"gamma": "critic.gamma", "lam": "critic.lam", "value_lr": "critic.lr",
+                        "value_clip": "critic.clip", "value_width": "critic.width"}
+"""Keys that left ``algorithm``'s top level, and where each lives now."""
+
+
 class AlgorithmConfig(_Strict):
     """The objective: advantage estimator, policy loss, KL, and DAPO sampling/shaping (docs/algorithms.md)."""
 
     advantage: str = "grpo"
     """Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, maxrl (group mean as the
-    scale), gdpo (each reward component normalised in its group, then summed), gae (PPO with a critic), or one
-    registered with ``@ADVANTAGES.register``."""
+    scale), gdpo (each reward component normalised in its group, then summed), or one registered with
+    ``@ADVANTAGES.register``. Not used with a ``critic``, whose values give the advantages (GAE)."""
     advantage_kwargs: dict[str, Any] = {}
     """Extra keyword arguments for the estimator, e.g. ``{eps: 1.0e-6}`` for grpo."""
     loss: str = "ppo_clip"
@@ -314,16 +335,8 @@ class AlgorithmConfig(_Strict):
     """Entropy bonus weight (positive rewards higher entropy)."""
     epochs: int = Field(1, gt=0)
     """Optimisation passes over each rollout batch; 1 is strictly on-policy."""
-    gamma: float = Field(1.0, ge=0, le=1)
-    """Discount for GAE (advantage: gae)."""
-    lam: float = Field(0.95, ge=0, le=1)
-    """GAE lambda (advantage: gae): 1 is Monte-Carlo returns minus the value, 0 is one-step TD."""
-    value_lr: float = Field(1e-3, gt=0)
-    """Learning rate of the value head (advantage: gae); it learns from scratch, so faster than the policy."""
-    value_clip: float | None = Field(0.2, gt=0)
-    """PPO value clipping range (advantage: gae); null is the plain squared error."""
-    value_width: int = Field(128, gt=0)
-    """Hidden width of the value head's MLP (advantage: gae)."""
+    critic: CriticConfig | None = None
+    """PPO with a critic: present (``critic: {}`` for its defaults) means GAE advantages from a value head."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts to refill."""
     max_extra_rounds: int = Field(3, ge=0)
@@ -374,11 +387,29 @@ class AlgorithmConfig(_Strict):
     m2po_tau: float = Field(0.04, ge=0)
     """M2PO's bound on the mean squared log importance ratio of the kept tokens (off_policy: m2po)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_moved_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for old, new in MOVED_ALGORITHM_KEYS.items():
+            if old in data:
+                raise ValueError(f"algorithm.{old}: moved to algorithm.{new}")
+        if data.get("advantage") == "gae":
+            raise ValueError("algorithm.advantage: gae is declared as a critic now: algorithm.critic: {} (or "
+                             "{gamma: 1.0, lam: 0.95, lr: 1.0e-3, clip: 0.2, width: 128}); its presence means GAE")
+        return data
+
     @model_validator(mode="after")
-    def _check_task_norm(self) -> AlgorithmConfig:
-        if self.task_norm and self.advantage == "gae":
-            raise ValueError("algorithm.task_norm: needs a sample-level estimator; gae's advantages come from "
-                             "the critic per token")
+    def _check_critic(self) -> AlgorithmConfig:
+        if self.critic is None:
+            return self
+        if self.task_norm:
+            raise ValueError("algorithm.task_norm: needs a sample-level estimator; with a critic the advantages "
+                             "come from its values per token")
+        if self.advantage != type(self).model_fields["advantage"].default:  # a dumped config holds the default
+            raise ValueError(f"algorithm.advantage: '{self.advantage}' is a sample-level estimator, and "
+                             "algorithm.critic makes the advantages from its values: keep one of the two")
         return self
 
 

@@ -28,7 +28,8 @@ from polyrl.types import Trajectory
 
 def assign_advantages(trajectories: list[Trajectory], algo: AlgorithmConfig, agents: AgentsConfig) -> dict[str, float]:
     """Set each trajectory's advantage: ``algo.advantage`` over the rewards (or reward components) and group
-    ids, normalised within each task when ``algo.task_norm``; then per-turn credit (``agents.step_credit``)
+    ids (with a critic, the outcome reward itself, from which the learner's GAE makes per-token advantages),
+    normalised within each task when ``algo.task_norm``; then per-turn credit (``agents.step_credit``)
     and ARPO's shared-prefix attribution (``agents.arpo``), which set ``token_advantages``. Returns
     ``arpo/branch_leaves`` (leaves that were branches) when ARPO is on."""
     if trajectories:
@@ -36,7 +37,10 @@ def assign_advantages(trajectories: list[Trajectory], algo: AlgorithmConfig, age
         if algo.advantage in MULTI_REWARD:
             rewards = reward_components(trajectories)
         groups = torch.tensor([t.group_id for t in trajectories])
-        advantages = ADVANTAGES[algo.advantage](rewards, groups, **algo.advantage_kwargs)
+        if algo.critic is not None:  # the outcome reward, unchanged: the learner's GAE propagates it per token
+            advantages = rewards.clone()
+        else:
+            advantages = ADVANTAGES[algo.advantage](rewards, groups, **algo.advantage_kwargs)
         if algo.task_norm:
             names = sorted({t.task for t in trajectories})
             advantages = task_normalise(advantages, torch.tensor([names.index(t.task) for t in trajectories]))
@@ -149,7 +153,7 @@ def _reward_advantages(
     token_rewards = terminal_rewards(rewards, mb.loss_mask)
     if kl is not None:
         token_rewards = token_rewards - algo.kl_coef * kl * mb.loss_mask
-    advantages = gae(token_rewards, old_values, mb.loss_mask, algo.gamma, algo.lam)
+    advantages = gae(token_rewards, old_values, mb.loss_mask, algo.critic.gamma, algo.critic.lam)
     return advantages, advantages + old_values
 
 

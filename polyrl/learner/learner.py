@@ -104,8 +104,8 @@ class Learner:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         # PPO's critic: a value head on the policy's (detached) final hidden states, in its own param group.
         self.value_head: ValueHead | None = None
-        if algo.advantage == "gae":
-            self.value_head = ValueHead(model.get_output_embeddings().in_features, algo.value_width).to(self.device)
+        if algo.critic is not None:
+            self.value_head = ValueHead(model.get_output_embeddings().in_features, algo.critic.width).to(self.device)
         self.policy_pass = PolicyPass(model, temperature, bf16, self.value_head)
         self.ref_pass = PolicyPass(self.ref_model, temperature, bf16) if self.ref_model is not None else None
         if self.ranks.distributed if fsdp is None else fsdp:
@@ -119,7 +119,7 @@ class Learner:
         self.params = [p for p in model.parameters() if p.requires_grad]
         groups: list[dict] = [{"params": self.params}]
         if self.value_head is not None:
-            groups.append({"params": list(self.value_head.parameters()), "lr": algo.value_lr, "weight_decay": 0.0})
+            groups.append({"params": list(self.value_head.parameters()), "lr": algo.critic.lr, "weight_decay": 0.0})
         self.optimizer, self.scheduler = make_optimizer(groups, optim, total_steps)
 
     @property
@@ -143,7 +143,7 @@ class Learner:
     def load_state_dict(self, state: dict) -> None:
         if (self.value_head is not None) != ("value_head" in state):
             have = "has a value head" if "value_head" in state else "has no value head"
-            raise ValueError(f"checkpoint {have}, but algorithm.advantage is {self.algo.advantage}")
+            raise ValueError(f"checkpoint {have}, but algorithm.critic is {'set' if self.algo.critic else 'not set'}")
         load_optimizer_state(self.optimizer, self.scheduler, state)
         if self.value_head is not None:
             self.value_head.load_state_dict(state["value_head"])

@@ -116,7 +116,7 @@ def value_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
     trains the head only)."""
     if x.values is None or x.old_values is None or x.advantages.returns is None:
         return Term(None, {}, {})
-    v_loss, metrics = value_loss(x.values, x.old_values, x.advantages.returns, x.mb.loss_mask, algo.value_clip,
+    v_loss, metrics = value_loss(x.values, x.old_values, x.advantages.returns, x.mb.loss_mask, algo.critic.clip,
                                  algo.loss_agg, x.num_tokens)
     return Term(v_loss * x.share, {"loss/value": float(v_loss.detach()) * x.share}, metrics)
 
