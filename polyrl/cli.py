@@ -265,13 +265,34 @@ def data_cmd(
 def serve_cmd(
     model: Annotated[str, typer.Argument(help="Model alias, HF directory, checkpoint, or run directory.")],
     port: Annotated[int, typer.Option("--port", help="Port on 127.0.0.1 (0 picks a free one).")] = 8000,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default and cap of max_tokens.")] = 512,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", help="Default and cap of max_tokens (with --tinker: "
+                                                                 "the default only).")] = 512,
     bf16: Annotated[bool | None, typer.Option("--bf16/--fp32", help=BF16_HELP)] = None,
+    tinker: Annotated[bool, typer.Option("--tinker", help="Serve the Tinker training API instead "
+                                                          "(docs/tinker.md).")] = False,
+    checkpoint_dir: Annotated[Path | None, typer.Option("--checkpoint-dir", help="With --tinker: where "
+                                                        "checkpoints go (default: ~/.cache/polyrl/tinker).")] = None,
 ) -> None:
-    """Serve a model as an OpenAI-compatible endpoint on 127.0.0.1 (chat/completions with tools)."""
+    """Serve a model as an OpenAI-compatible endpoint on 127.0.0.1 (chat/completions with tools), or with
+    --tinker as the Tinker training API (forward_backward, optim_step, sampling, checkpoints)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    from polyrl.endpoint.serve import serve
     from polyrl.models.loading import ModelNotFoundError
+
+    if tinker:
+        try:
+            from polyrl.tinker_api.serve import serve as serve_tinker
+        except ModuleNotFoundError as exc:  # the tinker package is an extra
+            if (exc.name or "").split(".")[0] != "tinker":
+                raise
+            _fail("--tinker needs the tinker package: pip install 'polyrl[tinker]'")
+        try:
+            serve_tinker(model, port, max_tokens, "auto" if bf16 is None else bf16, checkpoint_dir, echo=typer.echo)
+        except (ModelNotFoundError, ValueError, OSError) as exc:
+            _fail(str(exc).splitlines()[0])
+        return
+    if checkpoint_dir is not None:
+        _fail("--checkpoint-dir is an option of --tinker")
+    from polyrl.endpoint.serve import serve
 
     try:
         serve(model, port, max_tokens, "auto" if bf16 is None else bf16, echo=typer.echo)
