@@ -65,15 +65,26 @@ def check_engine_hooks(config: Config) -> None:
 def check_machine(config: Config) -> None:
     """What a run needs of this machine, checked by ``polyrl train`` before any model loads (not by
     ``load_config``: a config may be loaded to plan a run elsewhere). vLLM for ``engine.kind: vllm``, room on a
-    local Ray for the learner rank actors and rollout workers asked for, a Ray cluster's address answering; a
-    one-line ValueError (or the placement's own error) otherwise."""
-    from polyrl.placement import check_ray_address, local_placement_problem
+    local Ray for the learner rank actors and rollout workers asked for, free memory for their weights and
+    trained state, a Ray cluster's address answering; a one-line ValueError (or the placement's own error)
+    otherwise."""
+    from polyrl.models.device import resolve_device
+    from polyrl.placement import (
+        check_ray_address,
+        free_memory_bytes,
+        local_placement_problem,
+        memory_problem,
+        model_parameters,
+    )
 
     if config.engine.kind == "vllm" and find_spec("vllm") is None:
         from polyrl.engines import VLLM_INSTALL_HINT
 
         raise ValueError(VLLM_INSTALL_HINT)
     if problem := local_placement_problem(config):
+        raise ValueError(problem)
+    device = resolve_device(config.train.device).type
+    if problem := memory_problem(config, model_parameters(config.model.name), free_memory_bytes(), device):
         raise ValueError(problem)
     if config.runtime.kind == "ray":
         check_ray_address(config.runtime.ray_address)

@@ -19,11 +19,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import polyrl.placement as placement
 from polyrl.config import ConfigError
 from polyrl.config_check import check_machine, load_config
+from polyrl.models.loading import tiny_random_model
 from polyrl.parallel.group import RankFailedError, join_group
 from polyrl.parallel.launch import free_port
-from polyrl.placement import PlacementError, check_ray_address, local_placement_problem
+from polyrl.placement import PlacementError, check_ray_address, local_placement_problem, memory_problem
 from polyrl.waits import WaitTimeoutError
 from tests.conftest import SMOKE
 
@@ -96,7 +98,39 @@ def test_ray_actors_a_machine_cannot_hold_are_refused_before_ray_starts():
         local_placement_problem(cuda, cpus=16, gpus=0)
 
 
-@pytest.mark.slow
+def test_the_parameter_count_comes_from_the_checkpoint_headers(tmp_path):
+    model = tiny_random_model(seed=0)
+    model.save_pretrained(tmp_path)
+    assert placement.checkpoint_parameters(tmp_path) == sum(p.numel() for p in model.parameters())  # tied once
+    assert placement.checkpoint_parameters(tmp_path / "nowhere") is None
+    assert placement.model_parameters("tiny-random") is None
+    assert placement.model_parameters(str(tmp_path)) == placement.checkpoint_parameters(tmp_path)
+
+
+def test_ranks_and_workers_a_machine_has_no_memory_for_are_refused_before_the_model_loads(monkeypatch):
+    params = 500_000_000  # 16 bytes each for a full fine-tune: 8 GB in one process
+    one = load_config(SMOKE)
+    assert memory_problem(one, params, 9 * 10**9) is None
+    assert memory_problem(one, params, 7 * 10**9) == (
+        "runtime: 1 learner rank (full fine-tune) need at least 8.0 GB for the 500M parameters of tiny-random "
+        "(weights, gradients and Adam states), this machine has 7.0 GB free: lower learner.world_size or "
+        "runtime.num_workers, train LoRA adapters (model.lora), or free memory")
+    # two FSDP2 ranks: half the trained state each, plus a whole bf16 copy to sample from: 2 x (4 + 1) GB
+    two = load_config(SMOKE, ["learner.world_size=2"])
+    assert "2 learner ranks (full fine-tune) need at least 10.0 GB" in memory_problem(two, params, 9 * 10**9)
+    workers = load_config(SMOKE, RAY_RANKS[:3] + ["runtime.num_workers=3"])  # 8 GB + 3 x 1 GB of bf16 weights
+    assert "1 learner rank (full fine-tune) and 3 rollout workers need at least 11.0 GB" in \
+        memory_problem(workers, params, 10 * 10**9)
+    assert memory_problem(load_config(SMOKE, ["model.lora.r=8"]), params, 2 * 10**9) is None  # frozen base
+    assert memory_problem(one, params, 1, device="cuda") is None  # a GPU's memory is not this check's
+    assert memory_problem(one, None, 1) is None and memory_problem(one, params, None) is None
+    # polyrl train runs the check (check_machine) before any model loads
+    monkeypatch.setattr(placement, "model_parameters", lambda name: params)
+    monkeypatch.setattr(placement, "free_memory_bytes", lambda: 10**9)
+    with pytest.raises(ValueError, match=r"^runtime: 1 learner rank \(full fine-tune\) need at least 8\.0 GB"):
+        check_machine(one)
+
+
 @pytest.mark.slow
 def test_polyrl_train_refuses_what_this_machine_cannot_place_in_one_line_and_seconds(tmp_path):
     """About 7 s on two cores: the command's imports and the config; nothing is loaded or started."""
