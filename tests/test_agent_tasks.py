@@ -99,6 +99,9 @@ class FirstTurnCalls:
     def sync(self):
         self.engine.sync()
 
+    def release_memory(self, until_used=False):
+        self.engine.release_memory(until_used)
+
 
 @pytest.mark.slow
 def test_a_multi_turn_agent_trains_on_merged_trajectories(tmp_path, monkeypatch):

@@ -53,6 +53,12 @@ class ForcedToolCall:
         self.call = self.tokenizer(SmolLM2Parser().format_calls([ToolCall("calculate", {"expression": "6 * 7"})]),
                                    add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
 
+    def sync(self):
+        self.engine.sync()
+
+    def release_memory(self, until_used=False):
+        self.engine.release_memory(until_used)
+
     def generate(self, prompts, n=1, max_new_tokens=64, temperature=1.0, top_p=1.0, seed=0, **kw):
         out = self.engine.generate(prompts, n, max_new_tokens, temperature, top_p, seed, **kw)
         for p, group in zip(prompts, out, strict=True):
@@ -251,7 +257,6 @@ def test_rl_step_with_arpo_trains_on_trees(tmp_path):
     firsts = {len(start_episode(run.tasks["tool_math"], i, run.tasks["tool_math"].train_item(i), 0,
                                 run.tokenizer).ids) for i in range(4)}
     run.engine = ForcedToolCall(run.engine, firsts)
-    run.engine.sync = run.engine.engine.sync
     metrics, trajectories = rl_step(run, 1)
     assert metrics["arpo/branch_leaves"] == 4 and len(trajectories) == 8
     assert metrics["tool_calls/mean"] >= 1 and torch.isfinite(torch.tensor(metrics["loss"]))

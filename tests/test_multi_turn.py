@@ -276,6 +276,9 @@ class ForcedFirstTurn:
     def sync(self) -> None:
         self.engine.sync()
 
+    def release_memory(self, until_used: bool = False) -> None:
+        self.engine.release_memory(until_used)
+
 
 @pytest.mark.slow
 def test_rl_steps_on_tool_math_mask_env_tokens(tmp_path):

@@ -86,3 +86,45 @@ def test_a_turn_with_k_calls_waits_about_one_latency(tok, monkeypatch):
     t0 = time.monotonic()
     play(engine, request, RolloutConfig(group_size=calls + 1, max_new_tokens=64), seed=0, version=7)
     assert time.monotonic() - t0 >= calls / 2 * latency
+
+
+class _SlowToolEnv(ToolEnv):
+    """One tool that takes ``delay`` seconds; the final answer scores 1."""
+
+    def __init__(self, delay: float) -> None:
+        def lookup(key: str) -> str:
+            """Look a key up.
+
+            Args:
+                key: what to look up.
+            """
+            time.sleep(delay)
+            return f"value of {key}"
+
+        super().__init__([lookup])
+
+    def reset(self, item):
+        return [{"role": "user", "content": "look it up"}]
+
+    def score(self, answer: str) -> float:
+        return 1.0
+
+
+def test_a_tool_call_past_its_timeout_is_an_error_observation_and_the_episode_goes_on():
+    env = _SlowToolEnv(delay=3.0)
+    env.tool_timeout_s = 0.2
+    t0 = time.monotonic()
+    with pytest.raises(ToolError, match=r"tool 'lookup' ran past tasks\[\]\.tool_timeout_s \(0\.2 s\)"):
+        env.call(ToolCall("lookup", {"key": "a"}))
+    assert time.monotonic() - t0 < 1.0
+    # through a whole turn: the error is the observation, and the episode is not over
+    result = env.step(env.tool_parser.format_calls([ToolCall("lookup", {"key": "a"})]))
+    assert not result.done and "ran past" in result.observations[0]["content"]
+    quick = _SlowToolEnv(delay=0.0)
+    assert quick.call(ToolCall("lookup", {"key": "b"})) == "value of b"  # a call in time answers as before
+
+
+def test_tool_timeout_reaches_the_tool_env_from_the_task_config(tok):
+    env = make_task(TOOL_MATH.model_copy(update={"tool_timeout_s": 2.5}), seed=0, tokenizer=tok).make_env()
+    assert env.tool_timeout_s == 2.5
+    assert make_task(TOOL_MATH, seed=0, tokenizer=tok).make_env().tool_timeout_s == 30.0

@@ -226,6 +226,9 @@ class TaskConfig(_Strict):
     """Seconds each tool call takes at least (the tool's own time counts towards it), standing in for a remote
     API, a search service or a code sandbox; tool envs only (tool_math, retrieval_qa, ToolEnv subclasses). The
     calls of one turn wait concurrently across samples. 0 is off."""
+    tool_timeout_s: float = Field(30.0, gt=0)
+    """How long one tool call may run (tool envs only): a call past it is answered with an error observation,
+    as a failing call is, and the episode goes on."""
     prompt_suffix: str = ""
     answer: Literal["last_number", "full", "math_verify"] = "last_number"
     """How the answer is read from a reply: the last number in it, the whole stripped reply, or math_verify

@@ -50,6 +50,8 @@ class Env(ABC):
     tool_latency_s: float | None = None
     """Seconds each tool call takes at least (``tasks[].tool_latency_s``); None: the env makes no tool calls
     to delay (``ToolEnv`` sets 0.0 and honours it)."""
+    tool_timeout_s: float | None = None
+    """Seconds one tool call may run (``tasks[].tool_timeout_s``); ``ToolEnv`` honours it."""
     max_turns: int = 1
     """Default turn limit; ``tasks[].max_turns`` in the config overrides it."""
     batch_scorer: Any = None
@@ -147,6 +149,8 @@ class Task:
                 raise ValueError(f"task '{self.name}': tool_latency_s needs a tool env (a ToolEnv), got "
                                  f"{type(env).__name__}")
             env.tool_latency_s = self.config.tool_latency_s
+        if env.tool_timeout_s is not None:
+            env.tool_timeout_s = self.config.tool_timeout_s
         if self.config.attempts > 1:
             env = TryAgainEnv(env, self.config.attempts, self.config.attempt_feedback, self.config.attempt_discount)
         return env

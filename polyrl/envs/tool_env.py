@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -9,6 +10,28 @@ from typing import Any
 from polyrl.envs.base import Env, Message, StepResult
 from polyrl.envs.tool_parsers import SmolLM2Parser, ToolCall, ToolParser
 from polyrl.envs.tools import Tool, ToolError, as_tool
+
+
+def call_with_timeout(tool: Tool, arguments: dict[str, Any], timeout_s: float) -> str:
+    """``tool(arguments)`` in a thread of its own; ToolError when it runs past ``timeout_s`` (the thread is left
+    to finish, or not, on its own: daemonic, it never holds the process open)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(("result", tool(arguments)))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread as is
+            outcome.append(("error", exc))
+
+    worker = threading.Thread(target=run, name=f"tool-{tool.name}", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not outcome:
+        raise ToolError(f"tool '{tool.name}' ran past tasks[].tool_timeout_s ({timeout_s:g} s)")
+    kind, value = outcome[0]
+    if kind == "error":
+        raise value
+    return value
 
 
 def tool_message(name: str, content: str) -> Message:
@@ -23,12 +46,15 @@ class ToolEnv(Env):
     ``info["tool_error"]`` and a reward of ``-tool_error_penalty``; the episode goes on.
 
     ``tool_latency_s`` (``tasks[].tool_latency_s``) makes every call that reaches a tool take at least that
-    long, as a remote tool would; the calls of one reply run one after another.
+    long, as a remote tool would; the calls of one reply run one after another. A call still running after
+    ``tool_timeout_s`` (``tasks[].tool_timeout_s``) is answered with an error: the tool runs in a thread of its
+    own, which Python cannot stop, so a tool that may hang for good should bound its own waits too.
     """
 
     max_turns = 4
     concurrent_steps = True
     tool_latency_s: float = 0.0
+    tool_timeout_s: float = 30.0
 
     def __init__(
         self,
@@ -53,7 +79,7 @@ class ToolEnv(Env):
             raise ToolError(f"unknown tool '{call.name}'; available: {', '.join(self._by_name)}")
         start = time.monotonic()
         try:
-            return tool(call.arguments)
+            return call_with_timeout(tool, call.arguments, self.tool_timeout_s)
         finally:
             # A remote tool answers a failing call as slowly as a good one, so errors wait too.
             wait = self.tool_latency_s - (time.monotonic() - start)
