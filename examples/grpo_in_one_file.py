@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from polyrl.algorithms.advantages import grpo_advantages
-from polyrl.algorithms.losses import ppo_clip_loss
+from polyrl.algorithms.losses import PolicyLossInputs, ppo_clip_loss
 from polyrl.config import parse_config
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import Task, make_task
@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # old log-probs are the current ones, detached: every ratio is 1 and the clip only matters past epoch 1.
         policy.train()
         logp, mask = response_logprobs(policy, samples, engine.pad_id, bf16)
-        loss, loss_metrics = ppo_clip_loss(logp, logp.detach(), advantages, mask, args.clip_low, args.clip_high,
-                                           agg="token-mean")
+        inputs = PolicyLossInputs(logp, logp.detach(), advantages, mask, args.clip_low, args.clip_high, "token-mean")
+        loss, loss_metrics = ppo_clip_loss(inputs)
 
         # 5. The update, then the new weights into the sampler.
         optimizer.zero_grad(set_to_none=True)

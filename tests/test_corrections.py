@@ -11,7 +11,7 @@ from polyrl.algorithms.corrections import (
     m2po_mask,
     truncated_importance_weight,
 )
-from polyrl.algorithms.losses import ppo_clip_loss
+from polyrl.algorithms.losses import PolicyLossInputs, ppo_clip_loss
 
 
 def test_importance_weight_and_its_truncation():
@@ -45,7 +45,7 @@ def test_decoupled_ppo_is_the_weighted_ppo_objective_per_token():
     behaviour = torch.tensor([[-1.2, -1.0, -0.3]])
     adv, mask = torch.tensor([1.5]), torch.ones(1, 3)
     old, weighted, kept, metrics = correct_off_policy("decoupled", prox, behaviour, adv, mask)
-    loss, _ = ppo_clip_loss(logp, old, weighted, kept, agg="token-mean")
+    loss, _ = ppo_clip_loss(PolicyLossInputs(logp, old, weighted, kept, agg="token-mean"))
     # by hand: r = exp(logp - prox) = [1.105, 0.819, 1.105]; clip at 1.2/0.8 leaves them; w = exp(prox - mu)
     r = torch.exp(logp.detach() - prox)
     w = torch.exp(prox - behaviour)
@@ -71,10 +71,10 @@ def test_on_fresh_samples_every_correction_leaves_ppo_unchanged():
     logp = torch.tensor([[-0.7, -1.1, -0.4, -2.0]], requires_grad=True)
     prox = logp.detach() + 0.0
     adv, mask = torch.tensor([-0.8]), torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    plain, _ = ppo_clip_loss(logp, prox, adv, mask)
+    plain, _ = ppo_clip_loss(PolicyLossInputs(logp, prox, adv, mask))
     for mode in ("decoupled", "tis", "m2po"):
         old, a, kept, _ = correct_off_policy(mode, prox, prox, adv, mask)
-        loss, _ = ppo_clip_loss(logp, old, a, kept)
+        loss, _ = ppo_clip_loss(PolicyLossInputs(logp, old, a, kept))
         assert torch.allclose(loss, plain), mode
 
 

@@ -8,7 +8,7 @@ from algo_helpers import fake_trajectories, make_learner
 from conftest import SMOKE
 
 from polyrl.algorithms import LOSSES, aggregate
-from polyrl.algorithms.losses import ppo_clip_loss
+from polyrl.algorithms.losses import PolicyLossInputs, ppo_clip_loss
 from polyrl.config import ConfigError
 from polyrl.config_check import load_config
 from polyrl.learner.advantage_stage import token_advantages
@@ -37,13 +37,13 @@ def test_aggregation_modes():
 def test_ppo_clip_clips_the_good_side_and_keeps_the_bad_side():
     # ratio 1.5, A = +1: min(1.5, 1.2) = 1.2 -> loss -1.2, clipped, no gradient
     logp, old, adv, mask = one_token(1.5, 1.0)
-    loss, m = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)
+    loss, m = ppo_clip_loss(PolicyLossInputs(logp, old, adv, mask, 0.2, 0.2))
     assert loss.item() == pytest.approx(-1.2) and m["clip_frac"] == 1.0
     loss.backward()
     assert logp.grad.item() == 0.0
     # ratio 1.5, A = -1: min(-1.5, -1.2) = -1.5 -> loss 1.5, not clipped, d loss / d logp = -A * ratio = 1.5
     logp, old, adv, mask = one_token(1.5, -1.0)
-    loss, m = ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)
+    loss, m = ppo_clip_loss(PolicyLossInputs(logp, old, adv, mask, 0.2, 0.2))
     assert loss.item() == pytest.approx(1.5) and m["clip_frac"] == 0.0
     loss.backward()
     assert logp.grad.item() == pytest.approx(1.5)
@@ -52,8 +52,8 @@ def test_ppo_clip_clips_the_good_side_and_keeps_the_bad_side():
 def test_clip_higher_is_asymmetric():
     # ratio 1.25, A = +1: clip_high 0.28 leaves it alone (loss -1.25), clip_high 0.2 clips it (-1.2)
     logp, old, adv, mask = one_token(1.25, 1.0)
-    assert ppo_clip_loss(logp, old, adv, mask, 0.2, 0.28)[0].item() == pytest.approx(-1.25)
-    assert ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)[0].item() == pytest.approx(-1.2)
+    assert ppo_clip_loss(PolicyLossInputs(logp, old, adv, mask, 0.2, 0.28))[0].item() == pytest.approx(-1.25)
+    assert ppo_clip_loss(PolicyLossInputs(logp, old, adv, mask, 0.2, 0.2))[0].item() == pytest.approx(-1.2)
 
 
 def test_dual_clip_bounds_negative_advantage_losses():
@@ -61,20 +61,21 @@ def test_dual_clip_bounds_negative_advantage_losses():
     # ratio 5, A = -1, c = 3: PPO objective min(-5, -1.2) = -5; floor c*A = -3 -> objective -3, loss 3,
     # and no gradient
     logp, old, adv, mask = one_token(5.0, -1.0)
-    loss, m = dual(logp, old, adv, mask, 0.2, 0.2, c=3.0)
+    loss, m = dual(PolicyLossInputs(logp, old, adv, mask, 0.2, 0.2), c=3.0)
     assert loss.item() == pytest.approx(3.0) and m["dual_clip_frac"] == 1.0
     loss.backward()
     assert logp.grad.item() == 0.0
-    assert ppo_clip_loss(logp, old, adv, mask, 0.2, 0.2)[0].item() == pytest.approx(5.0)  # plain PPO: 5
+    plain_ppo = ppo_clip_loss(PolicyLossInputs(logp, old, adv, mask, 0.2, 0.2))[0].item()
+    assert plain_ppo == pytest.approx(5.0)
     # ratio 2, A = -1: objective -2 is above the floor -3 -> loss 2, gradient as in PPO (-A * ratio = 2)
     logp, old, adv, mask = one_token(2.0, -1.0)
-    loss, m = dual(logp, old, adv, mask, 0.2, 0.2, c=3.0)
+    loss, m = dual(PolicyLossInputs(logp, old, adv, mask, 0.2, 0.2), c=3.0)
     assert loss.item() == pytest.approx(2.0) and m["dual_clip_frac"] == 0.0
     loss.backward()
     assert logp.grad.item() == pytest.approx(2.0)
     # positive advantages are untouched: ratio 5, A = +1 -> PPO's -1.2
     logp, old, adv, mask = one_token(5.0, 1.0)
-    assert dual(logp, old, adv, mask, 0.2, 0.2, c=3.0)[0].item() == pytest.approx(-1.2)
+    assert dual(PolicyLossInputs(logp, old, adv, mask, 0.2, 0.2), c=3.0)[0].item() == pytest.approx(-1.2)
 
 
 def test_gspo_uses_the_length_normalised_sequence_ratio():
@@ -84,7 +85,7 @@ def test_gspo_uses_the_length_normalised_sequence_ratio():
     old = torch.tensor([[-math.log(2.0), 0.0, -math.log(100.0)]])
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     adv = torch.tensor([1.0])
-    loss, m = gspo(logp, old, adv, mask, 0.5, 0.5, agg="seq-mean-token-mean")
+    loss, m = gspo(PolicyLossInputs(logp, old, adv, mask, 0.5, 0.5, agg="seq-mean-token-mean"))
     assert loss.item() == pytest.approx(-math.sqrt(2))  # inside [0.5, 1.5]: unclipped
     assert m["ratio/mean"] == pytest.approx(math.sqrt(2)) and m["ratio/max"] == pytest.approx(math.sqrt(2))
     loss.backward()
@@ -96,7 +97,7 @@ def test_gspo_uses_the_length_normalised_sequence_ratio():
     assert logp.grad[0, :2].tolist() == pytest.approx(seq.grad[0].tolist())
     # with the paper-sized range it clips: s = 1.414 > 1 + 4e-4 -> objective (1 + 4e-4) * A, no gradient
     logp.grad = None
-    loss, m = gspo(logp, old, adv, mask, 3e-4, 4e-4, agg="seq-mean-token-mean")
+    loss, m = gspo(PolicyLossInputs(logp, old, adv, mask, 3e-4, 4e-4, agg="seq-mean-token-mean"))
     assert loss.item() == pytest.approx(-(1 + 4e-4)) and m["clip_frac"] == 1.0
 
 
@@ -104,13 +105,13 @@ def test_cispo_keeps_a_clipped_weight_as_gradient():
     cispo = LOSSES["cispo"]
     # ratio 1.5, A = +1, clip_high 0.2: weight sg(1.2); value -1.2, d loss / d logp = -1.2 (PPO: 0)
     logp, old, adv, mask = one_token(1.5, 1.0)
-    loss, m = cispo(logp, old, adv, mask, 0.2, 0.2)
+    loss, m = cispo(PolicyLossInputs(logp, old, adv, mask, 0.2, 0.2))
     assert loss.item() == pytest.approx(-1.2) and m["clip_frac"] == 1.0
     loss.backward()
     assert logp.grad.item() == pytest.approx(-1.2)
     # ratio 0.9 inside the range, A = -2: weight 0.9; value 1.8, gradient 1.8
     logp, old, adv, mask = one_token(0.9, -2.0)
-    loss, m = cispo(logp, old, adv, mask, 0.2, 0.2)
+    loss, m = cispo(PolicyLossInputs(logp, old, adv, mask, 0.2, 0.2))
     assert loss.item() == pytest.approx(1.8) and m["clip_frac"] == 0.0
     loss.backward()
     assert logp.grad.item() == pytest.approx(1.8)
@@ -123,7 +124,7 @@ def test_every_loss_reports_ratio_metrics_and_takes_per_token_advantages():
     mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
     for name in BUILT_IN:
         for adv in (torch.tensor([1.0, -1.0]), torch.tensor([[1.0, 0.0], [-1.0, 0.0]])):
-            loss, m = LOSSES[name](logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+            loss, m = LOSSES[name](PolicyLossInputs(logp, old, adv, mask, clip_low=0.2, clip_high=0.2))
             assert torch.isfinite(loss), name
             for key in ("clip_frac", "ratio/mean", "ratio/min", "ratio/max"):
                 assert key in m, (name, key)
@@ -136,19 +137,19 @@ def test_sapo_gates_the_ratio_softly():
     # ratio 1.5, A = +1, tau 1: sigmoid(0.5) = 0.622459, objective 4 * 0.622459 = 2.489836; its slope in logp
     # is 4 * sigmoid * (1 - sigmoid) * ratio = 4 * 0.622459 * 0.377541 * 1.5 = 1.410024 (PPO's would be 0)
     logp, old, adv, mask = one_token(1.5, 1.0)
-    loss, m = LOSSES["sapo"](logp, old, adv, mask, tau_pos=1.0, tau_neg=1.05)
+    loss, m = LOSSES["sapo"](PolicyLossInputs(logp, old, adv, mask), tau_pos=1.0, tau_neg=1.05)
     loss.backward()
     assert loss.item() == pytest.approx(-2.489836, abs=1e-5)
     assert logp.grad.item() == pytest.approx(-1.410024, abs=1e-5)
     assert m["sapo/gate_weight"] == pytest.approx(4 * 0.622459 * 0.377541, abs=1e-5) and m["clip_frac"] == 0.0
     # ratio 1, A = -1, tau_neg 1.05: objective -2 / 1.05, slope exactly the policy gradient's, -1
     logp, old, adv, mask = one_token(1.0, -1.0)
-    loss, _ = LOSSES["sapo"](logp, old, adv, mask, tau_pos=1.0, tau_neg=1.05)
+    loss, _ = LOSSES["sapo"](PolicyLossInputs(logp, old, adv, mask), tau_pos=1.0, tau_neg=1.05)
     loss.backward()
     assert loss.item() == pytest.approx(2 / 1.05) and logp.grad.item() == pytest.approx(1.0)
     # far from 1 the gate closes: ratio 4, tau 1: weight 4 * sigmoid(3) * (1 - sigmoid(3)) = 0.1807
     logp, old, adv, mask = one_token(4.0, 1.0)
-    _, m = LOSSES["sapo"](logp, old, adv, mask)
+    _, m = LOSSES["sapo"](PolicyLossInputs(logp, old, adv, mask))
     assert m["sapo/gate_weight"] == pytest.approx(0.180707, abs=1e-5) and m["clip_frac"] == 1.0
 
 
@@ -159,8 +160,8 @@ def test_dppo_masks_only_updates_that_leave_the_divergence_region():
         """Current probability p, behaviour (anchor) probability q; old_logp = log q, so ratio p / q."""
         logp = torch.tensor([[math.log(p)]], requires_grad=True)
         anchor = torch.tensor([[math.log(q)]])
-        loss, m = LOSSES["dppo"](logp, anchor, torch.tensor([adv]), torch.ones(1, 1), 0.2, 0.2,
-                                 behaviour_logp=anchor, divergence=divergence)
+        inputs = PolicyLossInputs(logp, anchor, torch.tensor([adv]), torch.ones(1, 1), 0.2, 0.2, behaviour_logp=anchor)
+        loss, m = LOSSES["dppo"](inputs, divergence=divergence)
         loss.backward()
         return loss.item(), logp.grad.item(), m
 
@@ -227,12 +228,14 @@ def test_dppo_in_the_learner_takes_the_behaviour_log_probs():
 
 # A user's own loss: registered with the decorator, chosen by name in the config, with its own keyword.
 @LOSSES.register("test_scaled_ppo")
-def scaled_ppo(
-    logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, agg="token-mean", num_tokens=None,
-    scale=1.0,
-):
-    loss, m = ppo_clip_loss(logp, old_logp, advantages, mask, clip_low, clip_high, agg, num_tokens)
+def scaled_ppo(x: PolicyLossInputs, scale=1.0):
+    loss, m = ppo_clip_loss(x)
     return scale * loss, {**m, "test/scale": scale}
+
+
+@LOSSES.register("test_old_signature")
+def old_signature(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, agg="token-mean", num_tokens=None):
+    raise AssertionError("never called: refused when the config loads")
 
 
 @pytest.mark.slow
@@ -241,6 +244,9 @@ def test_a_user_registered_loss_is_usable_from_config():
     assert cfg.algorithm.loss == "test_scaled_ppo" and cfg.algorithm.loss_kwargs == {"scale": 2.0}
     with pytest.raises(ConfigError, match=r"algorithm.loss_kwargs.scal: not a parameter of policy loss"):
         load_config(SMOKE, ["algorithm.loss=test_scaled_ppo", "algorithm.loss_kwargs={scal: 2.0}"])
+    with pytest.raises(ConfigError, match=r"algorithm.loss: policy loss 'test_old_signature' takes \(logp, old_logp, "
+                                          r"advantages, mask\); a policy loss takes one PolicyLossInputs"):
+        load_config(SMOKE, ["algorithm.loss=test_old_signature"])
     scaled = make_learner(loss="test_scaled_ppo", loss_kwargs={"scale": 2.0}, track_kl=False)
     plain = make_learner(track_kl=False)
     m_scaled, m_plain = scaled.update(fake_trajectories()), plain.update(fake_trajectories())

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from polyrl.algorithms import LOSSES
+from polyrl.algorithms.losses import PolicyLossInputs
 from polyrl.checkpoint.store import latest_checkpoint, load_checkpoint, verify_checkpoint
 from polyrl.cli import app
 from polyrl.config_check import load_config
@@ -29,11 +30,11 @@ POISON = {"value": math.nan, "steps": set(), "always": False, "update": 0}
 if "test_poisoned" not in LOSSES:
 
     @LOSSES.register("test_poisoned")
-    def poisoned_loss(logp, old_logp, advantages, mask, **kwargs):
+    def poisoned_loss(x: PolicyLossInputs, **kwargs):
         """PPO-clip, times NaN (or inf) on the updates listed in POISON: every gradient becomes non-finite."""
-        loss, metrics = LOSSES["ppo_clip"](logp, old_logp, advantages, mask, **kwargs)
+        loss, metrics = LOSSES["ppo_clip"](x, **kwargs)
         if POISON["always"] or POISON["update"] in POISON["steps"]:
-            loss = loss + (logp * mask).sum() * POISON["value"]
+            loss = loss + (x.logp * x.mask).sum() * POISON["value"]
         return loss, metrics
 
 

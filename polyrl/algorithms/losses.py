@@ -1,17 +1,19 @@
-"""Policy losses: pure functions of per-token log-probs, advantages and the loss mask.
+"""Policy losses: pure functions of one ``PolicyLossInputs`` (per-token log-probs, advantages, the loss mask
+and the clip settings).
 
 All tensors are [B, T] over response positions; ``mask`` is 1 on tokens the model produced and 0 elsewhere
 (prompt, padding, environment tokens). ``advantages`` is [B] (one per sequence) or [B, T] (per token).
 Every loss shares the signature
 
-    loss(logp, old_logp, advantages, mask, clip_low, clip_high, agg, num_tokens, **extra) -> (loss, metrics)
+    loss(x: PolicyLossInputs, **extra) -> (loss, metrics)
 
-where ``extra`` are the loss's own keyword arguments (``algorithm.loss_kwargs`` in the config), plus
-``behaviour_logp`` (the sampler's log-probs) for a loss whose signature has it, and metrics
+where ``extra`` are the loss's own keyword arguments (``algorithm.loss_kwargs`` in the config), and metrics
 are detached floats that always include ``clip_frac`` and ``ratio/mean``, ``ratio/min``, ``ratio/max``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +24,35 @@ LOSSES = Registry("policy loss")
 ADVANTAGE_WEIGHTED = frozenset({"ppo_clip", "dual_clip", "gspo", "cispo", "dppo", "sapo"})
 """Built-in losses whose every term is a token's advantage times a function of its ratio: when all advantages
 are 0 the loss is 0 for any weights, so its gradient is exactly 0 (``Learner`` then skips the passes)."""
+
+
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """What the learner hands a policy loss for one micro-batch."""
+
+    logp: torch.Tensor
+    """[B, T] log-probs of the sampled tokens under the policy being trained (with gradient)."""
+    old_logp: torch.Tensor
+    """[B, T] log-probs the importance ratio is taken against (the policy at the update's start, or the
+    proximal or behaviour policy under an off-policy correction)."""
+    advantages: torch.Tensor
+    """[B] or [B, T]."""
+    mask: torch.Tensor
+    """[B, T] 1 on the tokens that carry a loss."""
+    clip_low: float = 0.2
+    """The ratio is clipped at 1 - clip_low (gspo: about 3e-4; dppo: the trust region's size)."""
+    clip_high: float = 0.2
+    """... and at 1 + clip_high."""
+    agg: str = "token-mean"
+    """How token losses become one number (``aggregate``)."""
+    num_tokens: float | None = None
+    """token-mean's denominator shared by the micro-batches of an update; None: this micro-batch's tokens."""
+    behaviour_logp: torch.Tensor | None = None
+    """[B, T] the sampler's log-probs (DPPO's anchor)."""
+    logits: torch.Tensor | None = None
+    """[B, T, V] the policy's logits, given only to a loss asking for a top-k anchor (``topk`` in its kwargs)."""
+    anchor_topk: tuple[torch.Tensor, torch.Tensor] | None = None
+    """The update-start policy's k most likely tokens and their log-probs, [B, T, k] each, beside ``logits``."""
 
 
 def aggregate(
@@ -72,38 +103,24 @@ def _per_token(advantages: torch.Tensor) -> torch.Tensor:
 
 @LOSSES.register("ppo_clip")
 def ppo_clip_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    agg: str = "token-mean",
-    num_tokens: float | None = None,
+    x: PolicyLossInputs,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip (Schulman et al. 2017, Eq. 7) with asymmetric bounds (clip-higher, DAPO Eq. 10).
 
     loss_t = -min(rho_t * A, clip(rho_t, 1 - clip_low, 1 + clip_high) * A),  rho_t = exp(logp_t - old_logp_t).
     """
-    adv = _per_token(advantages)
-    ratio = torch.exp(logp - old_logp)
+    adv = _per_token(x.advantages)
+    ratio = torch.exp(x.logp - x.old_logp)
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    clipped = torch.clamp(ratio, 1.0 - x.clip_low, 1.0 + x.clip_high) * adv
     per_token = -torch.minimum(unclipped, clipped)
-    loss = aggregate(per_token, mask, agg, num_tokens)
-    return loss, ratio_metrics(ratio, mask, clipped < unclipped)
+    loss = aggregate(per_token, x.mask, x.agg, x.num_tokens)
+    return loss, ratio_metrics(ratio, x.mask, clipped < unclipped)
 
 
 @LOSSES.register("dual_clip")
 def dual_clip_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    agg: str = "token-mean",
-    num_tokens: float | None = None,
+    x: PolicyLossInputs,
     c: float = 3.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL", the dual-clip
@@ -117,29 +134,22 @@ def dual_clip_loss(
     """
     if c <= 1.0:
         raise ValueError(f"dual-clip needs c > 1, got c={c}")
-    adv = _per_token(advantages).expand_as(logp)
-    ratio = torch.exp(logp - old_logp)
+    adv = _per_token(x.advantages).expand_as(x.logp)
+    ratio = torch.exp(x.logp - x.old_logp)
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    clipped = torch.clamp(ratio, 1.0 - x.clip_low, 1.0 + x.clip_high) * adv
     ppo_obj = torch.minimum(unclipped, clipped)
     floor = c * adv
     obj = torch.where(adv < 0, torch.maximum(ppo_obj, floor), ppo_obj)
-    loss = aggregate(-obj, mask, agg, num_tokens)
-    metrics = ratio_metrics(ratio, mask, clipped < unclipped)
-    metrics["dual_clip_frac"] = masked_mean(((adv < 0) & (ppo_obj < floor)).to(logp.dtype), mask)
+    loss = aggregate(-obj, x.mask, x.agg, x.num_tokens)
+    metrics = ratio_metrics(ratio, x.mask, clipped < unclipped)
+    metrics["dual_clip_frac"] = masked_mean(((adv < 0) & (ppo_obj < floor)).to(x.logp.dtype), x.mask)
     return loss, metrics
 
 
 @LOSSES.register("gspo")
 def gspo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-    agg: str = "token-mean",
-    num_tokens: float | None = None,
+    x: PolicyLossInputs,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", the GSPO objective and its GSPO-token
     form): the importance ratio is the sequence's length-normalised likelihood ratio
@@ -152,27 +162,20 @@ def gspo_loss(
     mean over sequences: use ``algorithm.loss_agg: seq-mean-token-mean``. Its clip range is tiny (3e-4, 4e-4
     in the paper) because s_i is a geometric mean over the sequence; set ``clip_low``/``clip_high`` to match.
     """
-    adv = _per_token(advantages)
-    m = mask.to(logp.dtype)
-    log_s = ((logp - old_logp) * m).sum(-1) / m.sum(-1).clamp(min=1)  # [B]
-    log_s_tok = log_s.detach().unsqueeze(-1) + logp - logp.detach()
+    adv = _per_token(x.advantages)
+    m = x.mask.to(x.logp.dtype)
+    log_s = ((x.logp - x.old_logp) * m).sum(-1) / m.sum(-1).clamp(min=1)  # [B]
+    log_s_tok = log_s.detach().unsqueeze(-1) + x.logp - x.logp.detach()
     ratio = torch.exp(log_s_tok)
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = aggregate(-torch.minimum(unclipped, clipped), mask, agg, num_tokens)
-    return loss, ratio_metrics(ratio, mask, clipped < unclipped)
+    clipped = torch.clamp(ratio, 1.0 - x.clip_low, 1.0 + x.clip_high) * adv
+    loss = aggregate(-torch.minimum(unclipped, clipped), x.mask, x.agg, x.num_tokens)
+    return loss, ratio_metrics(ratio, x.mask, clipped < unclipped)
 
 
 @LOSSES.register("cispo")
 def cispo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    agg: str = "token-mean",
-    num_tokens: float | None = None,
+    x: PolicyLossInputs,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax 2025, "MiniMax-M1", the CISPO objective): clip the importance weight, not the update,
 
@@ -183,10 +186,10 @@ def cispo_loss(
     (w_t A_t) comparable to PPO's loss instead of one that drifts with log pi. The paper aggregates with
     ``token-mean``.
     """
-    adv = _per_token(advantages)
-    ratio = torch.exp(logp - old_logp)
-    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
-    per_token = -weight * adv * torch.exp(logp - logp.detach())
-    loss = aggregate(per_token, mask, agg, num_tokens)
-    was_clipped = (ratio.detach() < 1.0 - clip_low) | (ratio.detach() > 1.0 + clip_high)
-    return loss, ratio_metrics(ratio, mask, was_clipped)
+    adv = _per_token(x.advantages)
+    ratio = torch.exp(x.logp - x.old_logp)
+    weight = torch.clamp(ratio, 1.0 - x.clip_low, 1.0 + x.clip_high).detach()
+    per_token = -weight * adv * torch.exp(x.logp - x.logp.detach())
+    loss = aggregate(per_token, x.mask, x.agg, x.num_tokens)
+    was_clipped = (ratio.detach() < 1.0 - x.clip_low) | (ratio.detach() > 1.0 + x.clip_high)
+    return loss, ratio_metrics(ratio, x.mask, was_clipped)

@@ -1,15 +1,15 @@
 """Policy losses that replace PPO's hard ratio clip: DPPO's divergence trust region and SAPO's soft gate.
 
-Same signature and metrics as ``polyrl.algorithms.losses`` (registered in ``LOSSES``). DPPO also takes the
-behaviour log-probs (the learner passes ``behaviour_logp`` to every loss whose signature has it), since its
-trust region is measured against the policy that sampled the tokens.
+Same signature and metrics as ``polyrl.algorithms.losses`` (registered in ``LOSSES``). DPPO also reads the
+behaviour log-probs (``x.behaviour_logp``), since its trust region is measured against the policy that
+sampled the tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
-from polyrl.algorithms.losses import LOSSES, _per_token, aggregate, masked_mean, ratio_metrics
+from polyrl.algorithms.losses import LOSSES, PolicyLossInputs, _per_token, aggregate, masked_mean, ratio_metrics
 
 PROB_FLOOR = 1e-6
 """Keeps log(1 - p) finite in the binary KL when a token's probability rounds to 1."""
@@ -60,20 +60,10 @@ def topk_divergence(
 
 @LOSSES.register("dppo")
 def dppo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    agg: str = "token-mean",
-    num_tokens: float | None = None,
-    behaviour_logp: torch.Tensor | None = None,
+    x: PolicyLossInputs,
     divergence: str = "tv",
     anchor: str = "behaviour",
     topk: int = 0,
-    logits: torch.Tensor | None = None,
-    anchor_topk: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """DPPO (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning", the DPPO objective
     with the binary approximation): PPO's ratio clip replaced by a trust region on the divergence D_t between
@@ -100,35 +90,28 @@ def dppo_loss(
     if topk < 0 or (topk > 0 and anchor != "old"):
         raise ValueError(f"dppo's topk must be >= 0 and needs anchor: old (the engines keep only the sampled "
                          f"token's log-prob), got topk={topk}, anchor={anchor}")
-    if topk > 0 and (logits is None or anchor_topk is None):
+    if topk > 0 and (x.logits is None or x.anchor_topk is None):
         raise ValueError("dppo with topk > 0 needs the policy's logits and the anchor's top-k")
-    ref = behaviour_logp if anchor == "behaviour" and behaviour_logp is not None else old_logp
-    adv = _per_token(advantages).expand_as(logp)
-    ratio = torch.exp(logp - old_logp)
+    ref = x.behaviour_logp if anchor == "behaviour" and x.behaviour_logp is not None else x.old_logp
+    adv = _per_token(x.advantages).expand_as(x.logp)
+    ratio = torch.exp(x.logp - x.old_logp)
     with torch.no_grad():
         if topk > 0:
-            d = topk_divergence(logits.detach(), *anchor_topk, divergence)
+            d = topk_divergence(x.logits.detach(), *x.anchor_topk, divergence)
         else:
-            d = binary_divergence(logp.detach(), ref.detach(), divergence)
-        up, down = logp.detach() > ref, logp.detach() < ref
-        outside = ((adv > 0) & up & (d > clip_high)) | ((adv < 0) & down & (d > clip_low))
+            d = binary_divergence(x.logp.detach(), ref.detach(), divergence)
+        up, down = x.logp.detach() > ref, x.logp.detach() < ref
+        outside = ((adv > 0) & up & (d > x.clip_high)) | ((adv < 0) & down & (d > x.clip_low))
     obj = torch.where(outside, torch.zeros_like(ratio), ratio * adv)
-    loss = aggregate(-obj, mask, agg, num_tokens)
-    metrics = ratio_metrics(ratio, mask, outside)
-    metrics["dppo/divergence"] = masked_mean(d, mask)
+    loss = aggregate(-obj, x.mask, x.agg, x.num_tokens)
+    metrics = ratio_metrics(ratio, x.mask, outside)
+    metrics["dppo/divergence"] = masked_mean(d, x.mask)
     return loss, metrics
 
 
 @LOSSES.register("sapo")
 def sapo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    agg: str = "token-mean",
-    num_tokens: float | None = None,
+    x: PolicyLossInputs,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -145,13 +128,13 @@ def sapo_loss(
     """
     if tau_pos <= 0 or tau_neg <= 0:
         raise ValueError(f"sapo needs tau_pos, tau_neg > 0, got {tau_pos}, {tau_neg}")
-    adv = _per_token(advantages).expand_as(logp)
-    ratio = torch.exp(logp - old_logp)
+    adv = _per_token(x.advantages).expand_as(x.logp)
+    ratio = torch.exp(x.logp - x.old_logp)
     tau = torch.where(adv > 0, torch.full_like(ratio, tau_pos), torch.full_like(ratio, tau_neg))
     gate = torch.sigmoid(tau * (ratio - 1))
-    loss = aggregate(-(gate * 4 / tau) * adv, mask, agg, num_tokens)
+    loss = aggregate(-(gate * 4 / tau) * adv, x.mask, x.agg, x.num_tokens)
     with torch.no_grad():
         weight = 4 * gate * (1 - gate)
-    metrics = ratio_metrics(ratio, mask, weight < 0.5)
-    metrics["sapo/gate_weight"] = masked_mean(weight, mask)
+    metrics = ratio_metrics(ratio, x.mask, weight < 0.5)
+    metrics["sapo/gate_weight"] = masked_mean(weight, x.mask)
     return loss, metrics

@@ -13,12 +13,11 @@ from typing import Any
 import torch
 
 from polyrl.algorithms.advantages import ADVANTAGES
-from polyrl.algorithms.losses import LOSSES
+from polyrl.algorithms.losses import LOSSES, PolicyLossInputs
 from polyrl.algorithms.mismatch import CORRECTIONS
 
 # Arguments the framework passes itself; a kwargs entry may not override them.
-LOSS_ARGS = ("logp", "old_logp", "advantages", "mask", "clip_low", "clip_high", "agg", "num_tokens",
-             "behaviour_logp", "logits", "anchor_topk")
+LOSS_ARGS = ("x", *PolicyLossInputs.__dataclass_fields__)
 ADVANTAGE_ARGS = ("rewards", "group_ids")
 CORRECTION_ARGS = ("proximal_logp", "behaviour_logp", "mask")
 
@@ -38,15 +37,22 @@ def check_kwargs(
             raise ValueError(f"{key}.{name}: not a parameter of {what}; its parameters: {valid}")
 
 
-def takes_behaviour(loss_fn: Callable) -> bool:
-    """Whether the learner passes the sampler's log-probs to this loss (``behaviour_logp`` in its signature)."""
-    return "behaviour_logp" in inspect.signature(loss_fn).parameters
+def check_loss_signature(loss_fn: Callable, what: str) -> None:
+    """A policy loss takes one ``PolicyLossInputs`` and its own keywords; a loss written for separate tensors
+    (``logp, old_logp, advantages, mask, ...``) is refused with how to write it."""
+    required = [n for n, p in inspect.signature(loss_fn).parameters.items()
+                if p.default is inspect.Parameter.empty
+                and p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    if len(required) != 1:
+        shown = ", ".join(required[:4]) + (", ..." if len(required) > 4 else "")
+        raise ValueError(f"algorithm.loss: {what} takes ({shown}); a policy loss takes one PolicyLossInputs and "
+                         "its own keywords: def loss(x: PolicyLossInputs, **kwargs) (docs/algorithms.md)")
 
 
 def anchor_topk_size(loss_fn: Callable, loss_kwargs: dict[str, Any]) -> int:
-    """K when the learner passes this loss the policy's logits and the top-K tokens of the policy at the
-    update's start (``anchor_topk`` in its signature and ``loss_kwargs.topk`` > 0), else 0."""
-    if "anchor_topk" not in inspect.signature(loss_fn).parameters:
+    """K when the learner hands this loss the policy's logits and the top-K tokens of the policy at the
+    update's start (a ``topk`` parameter in its signature and ``loss_kwargs.topk`` > 0), else 0."""
+    if "topk" not in inspect.signature(loss_fn).parameters:
         return 0
     k = loss_kwargs.get("topk", 0)
     if not isinstance(k, int) or isinstance(k, bool):
@@ -72,18 +78,19 @@ def check_algorithm(algo: Any) -> None:
     adv_fn, loss_fn = ADVANTAGES[algo.advantage], LOSSES[algo.loss]
     adv_what, loss_what = f"advantage estimator '{algo.advantage}'", f"policy loss '{algo.loss}'"
     check_kwargs(adv_fn, algo.advantage_kwargs, ADVANTAGE_ARGS, "algorithm.advantage_kwargs", adv_what)
+    check_loss_signature(loss_fn, loss_what)
     check_kwargs(loss_fn, algo.loss_kwargs, LOSS_ARGS, "algorithm.loss_kwargs", loss_what)
     rewards, groups = torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])
     _probe(adv_fn, (rewards, groups), {}, algo.advantage_kwargs, "algorithm.advantage_kwargs", adv_what)
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
-    loss_args = (logp, logp - 0.1, torch.tensor([1.0, -1.0]), torch.ones(2, 2))
-    common = {"clip_low": algo.clip_low, "clip_high": algo.clip_high, "agg": algo.loss_agg, "num_tokens": 4.0}
-    if takes_behaviour(loss_fn):
-        common["behaviour_logp"] = logp - 0.2
-    if anchor_topk_size(loss_fn, algo.loss_kwargs) > 0:  # a 3-token vocabulary, the anchor's top 1
-        common["logits"] = torch.log(torch.tensor([0.5, 0.3, 0.2])).expand(2, 2, 3)
-        common["anchor_topk"] = (torch.zeros(2, 2, 1, dtype=torch.long), torch.full((2, 2, 1), math.log(0.4)))
-    _probe(loss_fn, loss_args, common, algo.loss_kwargs, "algorithm.loss_kwargs", loss_what)
+    topk = anchor_topk_size(loss_fn, algo.loss_kwargs) > 0  # then a 3-token vocabulary, the anchor's top 1
+    inputs = PolicyLossInputs(
+        logp, logp - 0.1, torch.tensor([1.0, -1.0]), torch.ones(2, 2), algo.clip_low, algo.clip_high,
+        algo.loss_agg, 4.0, behaviour_logp=logp - 0.2,
+        logits=torch.log(torch.tensor([0.5, 0.3, 0.2])).expand(2, 2, 3) if topk else None,
+        anchor_topk=(torch.zeros(2, 2, 1, dtype=torch.long), torch.full((2, 2, 1), math.log(0.4))) if topk else None,
+    )
+    _probe(loss_fn, (inputs,), {}, algo.loss_kwargs, "algorithm.loss_kwargs", loss_what)
     check_correction(algo)
 
 

@@ -15,7 +15,7 @@ from polyrl.algorithms import LOSSES, aggregate, kl_estimate
 from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import value_loss
 from polyrl.algorithms.guidance import shaped_reference_loss
-from polyrl.algorithms.validate import takes_behaviour
+from polyrl.algorithms.losses import PolicyLossInputs
 from polyrl.config import AlgorithmConfig
 from polyrl.learner.advantage_stage import TokenAdvantages
 from polyrl.learner.batch import Batch
@@ -62,15 +62,13 @@ class Term(NamedTuple):
 
 def policy_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
     """``LOSSES[algo.loss]`` (PPO-clip, GSPO, CISPO, ...) on the token advantages, weighted by ``pg_coef``."""
-    loss_fn = LOSSES[algo.loss]
-    kwargs = dict(algo.loss_kwargs)
-    if takes_behaviour(loss_fn):
-        kwargs["behaviour_logp"] = x.mb.behaviour_logp
-    if x.anchor_topk is not None:
-        kwargs["logits"], kwargs["anchor_topk"] = x.logits, x.anchor_topk
     adv = x.advantages
-    pg_loss, metrics = loss_fn(x.logp, adv.ratio_logp, adv.advantages, adv.pg_mask, clip_low=algo.clip_low,
-                               clip_high=algo.clip_high, agg=algo.loss_agg, num_tokens=x.num_tokens, **kwargs)
+    inputs = PolicyLossInputs(
+        x.logp, adv.ratio_logp, adv.advantages, adv.pg_mask, algo.clip_low, algo.clip_high, algo.loss_agg,
+        x.num_tokens, behaviour_logp=x.mb.behaviour_logp,
+        logits=x.logits if x.anchor_topk is not None else None, anchor_topk=x.anchor_topk,
+    )
+    pg_loss, metrics = LOSSES[algo.loss](inputs, **algo.loss_kwargs)
     return Term(algo.pg_coef * pg_loss * x.share, {"loss/pg": float(pg_loss.detach()) * x.share}, metrics)
 
 
