@@ -12,22 +12,27 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from polyrl.tinker_api.sampler import MAX_BATCH_ROWS, SampleJob, Sampler
 from polyrl.tinker_api.wire import WireError
 
 log = logging.getLogger("polyrl.tinker")
+COALESCE_S = 0.05
+"""How long a sample request waits for others to join its engine call: the cookbook's rollouts send a group's
+samples as separate requests, a few milliseconds apart."""
 
 
 @dataclass
 class Call:
     fn: Callable[[], Any]
     future: Future
+    name: str = "call"
 
 
 @dataclass
@@ -36,6 +41,7 @@ class Sample:
     job: SampleJob
     resolve: Callable[[str], Sampler]
     """The sampler's snapshot, loaded or built if need be (in the worker)."""
+    arrived: float = field(default_factory=time.monotonic)
 
 
 class Worker:
@@ -46,9 +52,9 @@ class Worker:
         self._thread = threading.Thread(target=self._loop, name="polyrl-tinker-worker", daemon=True)
         self._thread.start()
 
-    def call(self, fn: Callable[[], Any], future: Future | None = None) -> Future:
+    def call(self, fn: Callable[[], Any], future: Future | None = None, name: str = "call") -> Future:
         future = future or Future()
-        self._put(Call(fn, future))
+        self._put(Call(fn, future, name))
         return future
 
     def sample(self, sampler_id: str, job: SampleJob, resolve: Callable[[str], Sampler]) -> Future:
@@ -68,6 +74,8 @@ class Worker:
             first = self._queue.popleft()
             if isinstance(first, Call):
                 return [first]
+            while (wait := first.arrived + COALESCE_S - time.monotonic()) > 0:
+                self._ready.wait(wait)
             batch: list[Call | Sample] = [first]
             rows, key = first.job.n, (first.sampler_id, first.job.batch_key())
             for task in list(self._queue):
@@ -81,10 +89,14 @@ class Worker:
     def _loop(self) -> None:
         while True:
             batch = self._take()
+            began = time.perf_counter()
             if isinstance(batch[0], Call):
                 _settle(batch[0].future, batch[0].fn)
+                log.info("%s: %.2f s", batch[0].name, time.perf_counter() - began)
             else:
                 self._sample([t for t in batch if isinstance(t, Sample)])
+                log.info("sample: %d requests, %d rows: %.2f s", len(batch),
+                         sum(t.job.n for t in batch if isinstance(t, Sample)), time.perf_counter() - began)
 
     def _sample(self, tasks: list[Sample]) -> None:
         try:
@@ -132,11 +144,11 @@ class Sequencer:
         self.waiting: dict[int, Call | None] = {}
         self._lock = threading.Lock()
 
-    def submit(self, seq_id: int | None, fn: Callable[[], Any]) -> Future:
+    def submit(self, seq_id: int | None, fn: Callable[[], Any], name: str = "call") -> Future:
         future: Future = Future()
         if seq_id is None:  # an unnumbered request runs in arrival order
-            return self.worker.call(fn, future)
-        self._place(seq_id, Call(fn, future), future)
+            return self.worker.call(fn, future, name)
+        self._place(seq_id, Call(fn, future, name), future)
         return future
 
     def skip(self, seq_id: int) -> None:
@@ -155,5 +167,5 @@ class Sequencer:
             while self.next in self.waiting:
                 ready = self.waiting.pop(self.next)
                 if ready is not None:
-                    self.worker.call(ready.fn, ready.future)
+                    self.worker.call(ready.fn, ready.future, ready.name)
                 self.next += 1

@@ -26,6 +26,9 @@ class TinkerLoss:
     config: tuple[str, ...]
     """The ``loss_fn_config`` keys it reads."""
     fn: Callable[[torch.Tensor, dict[str, torch.Tensor], Config], torch.Tensor]
+    gradient_weight: str | None
+    """The input that is zero wherever the loss has no gradient (None: any position may have one); the learner
+    computes the positions before its first nonzero value without gradients."""
 
 
 def _ratio(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -65,11 +68,12 @@ def dro(target_logprobs: torch.Tensor, inputs: dict[str, torch.Tensor], config: 
 
 
 LOSSES: dict[str, TinkerLoss] = {
-    "cross_entropy": TinkerLoss(("weights",), (), cross_entropy),
-    "importance_sampling": TinkerLoss(("logprobs", "advantages"), (), importance_sampling),
-    "ppo": TinkerLoss(("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold"), ppo),
-    "cispo": TinkerLoss(("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold"), cispo),
-    "dro": TinkerLoss(("logprobs", "advantages"), ("beta",), dro),
+    "cross_entropy": TinkerLoss(("weights",), (), cross_entropy, "weights"),
+    "importance_sampling": TinkerLoss(("logprobs", "advantages"), (), importance_sampling, "advantages"),
+    "ppo": TinkerLoss(("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold"), ppo, "advantages"),
+    "cispo": TinkerLoss(("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold"), cispo,
+                        "advantages"),
+    "dro": TinkerLoss(("logprobs", "advantages"), ("beta",), dro, None),  # its penalty reads every position
 }
 
 REFUSED = {

@@ -86,10 +86,11 @@ class SampleJob:
 
 
 def frozen_copy(model: PreTrainedModel) -> PreTrainedModel:
-    """A detached float32-preserving copy of ``model`` without its gradients, ties kept; LoRA adapters merged."""
+    """A float32 copy of ``model``'s weights without gradients, ties kept, LoRA adapters merged (in float32:
+    bfloat16 base weights are widened first)."""
     memo: dict[int, torch.Tensor] = {}
     for p in model.parameters():
-        memo[id(p)] = torch.nn.Parameter(p.detach().clone(), requires_grad=False)
+        memo[id(p)] = torch.nn.Parameter(p.detach().to(torch.float32, copy=True), requires_grad=False)
     snapshot = copy.deepcopy(model, memo)
     if hasattr(snapshot, "merge_and_unload"):
         head = snapshot.get_output_embeddings()

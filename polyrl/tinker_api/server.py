@@ -91,7 +91,7 @@ def build_app(service: Service) -> FastAPI:
         the caller's mistake (400), Unknown an id the server does not know (404)."""
 
         async def handler(request: Request) -> Response:
-            name = path.rsplit("/", 1)[-1]
+            name = next(part for part in reversed(path.split("/")) if not part.startswith("{"))
             try:
                 body = await _read(request, request_type, name) if request_type is not None else None
                 result = call(request, body)
@@ -134,6 +134,9 @@ def build_app(service: Service) -> FastAPI:
     route("/api/v1/training_runs/{model_id}", lambda r, b: service.training_run(r.path_params["model_id"]), "GET")
     route("/api/v1/training_runs/{model_id}/checkpoints",
           lambda r, b: service.checkpoints(r.path_params["model_id"]), "GET")
+    route("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}", lambda r, b: (
+        service.delete_checkpoint(r.path_params["model_id"], r.path_params["checkpoint_id"]),
+        Response(status_code=200))[1], "DELETE")
 
     async def forward_backward(request: Request, body: None) -> dict[str, Any]:
         if request.headers.get("content-encoding"):

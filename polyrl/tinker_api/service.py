@@ -9,6 +9,7 @@ in memory: the ``SNAPSHOTS`` newest are kept, and sampling from an older one is 
 
 from __future__ import annotations
 
+import shutil
 import threading
 import uuid
 from collections import OrderedDict
@@ -101,11 +102,11 @@ class Service:
             raise WireError(f"unknown model_id '{model_id}'")
         return model
 
-    def _sequenced(self, model_id: str, seq_id: int | None, fn: Callable[[], Any]) -> dict[str, Any]:
+    def _sequenced(self, model_id: str, seq_id: int | None, fn: Callable[[], Any], name: str) -> dict[str, Any]:
         """Queue ``fn`` as the model's request ``seq_id``. Whatever can be wrong with a numbered request is
         found inside ``fn``: refused before it is queued, it would leave a gap that holds up those after it."""
         self.model(model_id)
-        return self._future(self.sequencers[model_id].submit(seq_id, fn), model_id=model_id)
+        return self._future(self.sequencers[model_id].submit(seq_id, fn, name), model_id=model_id)
 
     def skip(self, body: Any) -> None:
         """Pass the turn of a refused request whose body names a known model and a seq_id."""
@@ -145,7 +146,7 @@ class Service:
             self._register(TrainingModel(model_id, self.served.name, policy, spec, self.served.bf16, self._pad()))
             return {"model_id": model_id, "type": "create_model"}
 
-        return self._future(self.worker.call(create), model_id=model_id)
+        return self._future(self.worker.call(create, name="create_model"), model_id=model_id)
 
     def _pad(self) -> int:
         tok = self.served.tokenizer
@@ -164,7 +165,8 @@ class Service:
                 wire.read_data(request), request.loss_fn, request.config, backward=not request.forward_only)
             return wire.forward_backward_output(outputs, metrics)
 
-        return self._sequenced(request.model_id, request.seq_id, run)
+        return self._sequenced(request.model_id, request.seq_id, run,
+                               "forward" if request.forward_only else "forward_backward")
 
     def optim_step(self, model_id: str, seq_id: int | None, params: dict[str, Any]) -> dict[str, Any]:
         def run() -> dict[str, Any]:
@@ -172,7 +174,7 @@ class Service:
                 raise WireError(f"optim_step: optimizer '{params['type']}' is not supported (AdamParams only)")
             return {"metrics": self.model(model_id).optim_step(params)}
 
-        return self._sequenced(model_id, seq_id, run)
+        return self._sequenced(model_id, seq_id, run, "optim_step")
 
     # --- checkpoints -------------------------------------------------------------------------------------------
 
@@ -197,7 +199,7 @@ class Service:
         """``save_state`` (kind ``weights``, with the optimizer) or ``save_weights_for_sampler``; the latter
         without a name makes an in-memory snapshot and answers its sampling session id."""
         if name is None and kind == "sampler_weights":
-            return self._sequenced(model_id, seq_id, lambda: self._snapshot(model_id))
+            return self._sequenced(model_id, seq_id, lambda: self._snapshot(model_id), "snapshot")
 
         def run() -> dict[str, Any]:
             path, tinker_path = self._path(model_id, kind, name or "")
@@ -207,7 +209,7 @@ class Service:
                                       meta={"user_metadata": metadata or {}})
             return {"path": tinker_path, "type": "save_weights" if kind == "weights" else "save_weights_for_sampler"}
 
-        return self._sequenced(model_id, seq_id, run)
+        return self._sequenced(model_id, seq_id, run, f"save {kind}")
 
     def load(self, request: dict[str, Any]) -> dict[str, Any]:
         """``load_weights``: into a new training model (``session_id`` and ``model_seq_id``, the path of
@@ -234,8 +236,8 @@ class Service:
             return {"path": request["path"], "model_id": model_id, "type": "load_weights"}
 
         if seq_id is None:
-            return self._future(self.worker.call(run), model_id=model_id)
-        return self._sequenced(model_id, seq_id, run)
+            return self._future(self.worker.call(run, name="load"), model_id=model_id)
+        return self._sequenced(model_id, seq_id, run, "load")
 
     def training_run(self, model_id: str) -> dict[str, Any]:
         if model_id in self.models:
@@ -253,6 +255,11 @@ class Service:
                 "lora_rank": lora.rank if lora else None, "last_request_time": _now(),
                 "last_checkpoint": last["training"][-1] if last["training"] else None,
                 "last_sampler_checkpoint": last["sampler"][-1] if last["sampler"] else None}
+
+    def delete_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+        """Remove ``<model_id>/<weights|sampler_weights>/<name>`` (the cookbook's rolling checkpoints)."""
+        path = self.resolve(f"tinker://{model_id}/{checkpoint_id}")
+        shutil.rmtree(path)
 
     def checkpoints(self, model_id: str) -> dict[str, Any]:
         found = []

@@ -1,7 +1,7 @@
 """A Tinker training model on polyrl's learner pieces: the policy (full or LoRA through peft, as
-``models/loading.py`` builds it), log-probs from the decoder body and the float32 output head in chunks
-(``learner/logprobs.py``), Tinker's summed losses, gradients accumulated across ``forward_backward`` calls,
-and AdamW stepped with the hyperparameters each ``optim_step`` carries.
+``models/loading.py`` builds it), log-probs from polyrl's learner pass (``passes.py``), Tinker's summed
+losses, gradients accumulated across ``forward_backward`` calls, and AdamW stepped with the hyperparameters each
+``optim_step`` carries.
 
 Checkpoints are model directories polyrl itself loads (``load_model``): a full model as a Hugging Face
 directory, a LoRA model as a peft adapter directory naming its base, with ``optimizer.pt`` beside them for
@@ -24,18 +24,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from polyrl.checkpoint.store import load_weights
 from polyrl.config import LoraConfig
-from polyrl.learner.logprobs import chunked_logprobs
-from polyrl.models.forward import decoder_forward
 from polyrl.models.loading import load_model
 from polyrl.tinker_api.losses import check_inputs, check_loss
+from polyrl.tinker_api.passes import datum_logprobs, passes, start
 from polyrl.tinker_api.wire import Datum, WireError
 
 LORA_ALPHA = 32.0
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
-TOKENS_PER_PASS = 8192
-"""Padded tokens per forward pass; a larger batch runs as several passes whose gradients add up (the loss is a
-sum, so this changes nothing but the peak memory)."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +49,7 @@ class LoraSpec:
         targets += ["lm_head"] if self.train_unembed else []
         if not targets:
             raise WireError("lora_config: at least one of train_mlp, train_attn, train_unembed must be true")
-        # bf16_base off: with train_unembed the adapted head shares its weight with the input embedding.
+        # bf16_base off: an adapted head may share its weight with the input embedding (frozen_bases_to_bf16).
         return LoraConfig(r=self.rank, alpha=LORA_ALPHA, dropout=0.0, target_modules=targets, bf16_base=False)
 
 
@@ -64,7 +60,20 @@ def build_policy(base_model: str, lora: LoraSpec | None, bf16: bool) -> PreTrain
         model = load_model(base_model, lora.polyrl_config() if lora else None, bf16=bf16)
     if lora is None:
         model.requires_grad_(True)
+    elif bf16:
+        frozen_bases_to_bf16(model)
     return model.eval()
+
+
+def frozen_bases_to_bf16(model: PreTrainedModel) -> None:
+    """Store the frozen base weights of adapted layers in bfloat16, as polyrl's LoRA runs do
+    (``models/loading.frozen_base_to_bf16``: autocast would cast them for every matmul anyway), except a base
+    weight shared with the input embedding (an adapted tied head), which stays float32 for the lookups."""
+    embedding = model.get_input_embeddings().weight
+    for module in model.modules():
+        base = getattr(module, "base_layer", None)
+        if isinstance(base, torch.nn.Linear) and not base.weight.requires_grad and base.weight is not embedding:
+            base.weight.data = base.weight.data.to(torch.bfloat16)
 
 
 class TrainingModel:
@@ -101,38 +110,20 @@ class TrainingModel:
                                 f"[0, {vocab})")
         outputs: list[dict] = []
         total = 0.0
-        for part in _passes(data):
-            logprobs = self._logprobs(part, grad=backward)
-            part_loss = logprobs.new_zeros(())
-            for i, datum in enumerate(part):
-                n = len(datum.tokens)
-                inputs = {k: v.to(logprobs.device, torch.float32) for k, v in datum.inputs.items()
-                          if k != "target_tokens"}
-                elementwise = loss.fn(logprobs[i, :n], inputs, config)
+        for part in passes(data):
+            batch = [data[i] for i in part]
+            starts = [start(d, loss.gradient_weight) for d in batch]
+            logprobs = datum_logprobs(self.policy, batch, starts, self.bf16, self.pad_id, grad=backward)
+            part_loss = logprobs[0].new_zeros(())
+            for datum, lp in zip(batch, logprobs, strict=True):
+                inputs = {k: v.to(lp.device, torch.float32) for k, v in datum.inputs.items() if k != "target_tokens"}
+                elementwise = loss.fn(lp, inputs, config)
                 part_loss = part_loss + elementwise.sum()
-                outputs.append({"logprobs": logprobs[i, :n].detach(), "elementwise_loss": elementwise.detach()})
-            if backward:
+                outputs.append({"logprobs": lp.detach(), "elementwise_loss": elementwise.detach()})
+            if backward and part_loss.requires_grad:
                 part_loss.backward()
             total += float(part_loss.detach())
         return outputs, {"loss:sum": total}
-
-    def _logprobs(self, part: list[Datum], grad: bool) -> torch.Tensor:
-        device = next(self.policy.parameters()).device
-        width = max(len(d.tokens) for d in part)
-        ids = torch.full((len(part), width), self.pad_id, dtype=torch.long)
-        targets = torch.zeros((len(part), width), dtype=torch.long)
-        mask = torch.zeros((len(part), width), dtype=torch.long)
-        for i, d in enumerate(part):
-            n = len(d.tokens)
-            ids[i, :n] = torch.tensor(d.tokens)
-            targets[i, :n] = d.inputs["target_tokens"]
-            mask[i, :n] = 1
-        positions = torch.arange(width).expand(len(part), -1)
-        ids, targets, mask, positions = (t.to(device) for t in (ids, targets, mask, positions))
-        with torch.set_grad_enabled(grad):
-            hidden, _ = decoder_forward(self.policy, ids, mask, positions, self.bf16)
-            logprobs, _ = chunked_logprobs(self.policy, hidden, targets, 1.0)
-        return logprobs
 
     # --- the optimizer --------------------------------------------------------------------------------------
 
@@ -201,19 +192,3 @@ def load_policy(path: Path, bf16: bool) -> tuple[PreTrainedModel, str, LoraSpec 
     model = build_policy(info["base_model"], lora, bf16)
     load_weights(model, path)
     return model, info["base_model"], lora
-
-
-def _passes(data: list[Datum]) -> list[list[Datum]]:
-    """Consecutive datums grouped so each pass pads to at most ``TOKENS_PER_PASS`` tokens (one datum at least)."""
-    parts: list[list[Datum]] = []
-    current: list[Datum] = []
-    width = 0
-    for datum in data:
-        new_width = max(width, len(datum.tokens))
-        if current and new_width * (len(current) + 1) > TOKENS_PER_PASS:
-            parts.append(current)
-            current, new_width = [], len(datum.tokens)
-        current.append(datum)
-        width = new_width
-    parts.append(current)
-    return parts
