@@ -151,6 +151,8 @@ class HFEngine:
 
     With ``bf16_weights`` and ``fast_decode`` on a Llama-family policy on the CPU, that copy is the fused one of
     ``llama_decode.LlamaDecoder`` and prefill and decoding run through it instead of the transformers model.
+    Without either bf16 setting the same decoder runs in float32 when the native kernels are there, reading the
+    float32 policy's own weights (no copy; ``sync()`` merges LoRA deltas again).
 
     The engine runs on the policy's device. On a GPU it takes the transformers path (the fused path and the
     native kernels are CPU code), samples on the GPU from a generator there, and copies one step's results to
@@ -184,10 +186,15 @@ class HFEngine:
         self.fast: llama_decode.LlamaDecoder | None = None
         self.rebuild_on_use = False
         """Released with ``until_used``: the next decode syncs first."""
-        if bf16_weights and fast_decode and on_cpu and llama_decode.supports(policy):
-            self.head_weight = policy.get_output_embeddings().weight.detach().clone()
+        fused = fast_decode and on_cpu and llama_decode.supports(policy)
+        float32_fused = (fused and not bf16_weights and not bf16 and self.native_sampling
+                         and llama_decode.float32_weights(policy))
+        if (fused and bf16_weights) or float32_fused:
+            head = policy.get_output_embeddings().weight.detach()
+            self.head_weight = head if float32_fused else head.clone()
             self.fast = llama_decode.LlamaDecoder(
-                policy, self.head_weight, torch.bfloat16, native_kernels=native_kernels
+                policy, self.head_weight, torch.bfloat16 if bf16_weights else torch.float32,
+                native_kernels=native_kernels,
             )
             self.model, self.bf16 = policy, False
         elif bf16_weights:
@@ -214,7 +221,9 @@ class HFEngine:
         """Copy the policy's current weights into the engine (a no-op when they are shared)."""
         if self.fast is not None:
             head = self.policy.get_output_embeddings().weight
-            if self.head_weight is None:  # released for the update
+            if self.fast.shares_weights:  # the policy's own head, read in place
+                self.head_weight = self.fast.head_weight = head.detach()
+            elif self.head_weight is None:  # released for the update
                 self.head_weight = self.fast.head_weight = head.detach().clone()
             else:
                 self.head_weight.copy_(head)

@@ -13,6 +13,11 @@ q, k, v and gate, up as separate matmuls. This module runs the same computation 
 - grouped-query attention reads each key/value head once: the query heads that share it are that head's
   query rows, so nothing is repeated.
 
+In float32 with the native kernels (a CPU without native bf16, or an engine that samples from the float32
+policy) the decoder keeps no copy of the weights: the native ``linear`` reads the policy's own [out, in]
+matrices (q, k, v and gate, up as lists, so nothing is concatenated), and every small operation between the
+matmuls is a float32 kernel.
+
 It computes what the transformers model computes (same op order, same dtypes: bf16 residual stream, float32
 RMS statistics, float32 output head); tests/test_llama_decode.py checks logits against it and tokens against the
 reference engine.
@@ -123,15 +128,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
+Weights = torch.Tensor | list[torch.Tensor]
+"""A matmul's weight: one (fused, maybe prepacked) tensor, or for the native float32 ``linear`` the list of
+[out, in] matrices whose outputs it concatenates."""
+
+
 @dataclass
 class _Layer:
     in_norm: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weights
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weights
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weights
+    down: Weights
+
+
+def native_linear(x: torch.Tensor, weights: Weights, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of float32 ``x`` [B, in] on float32 or bf16 [out, in] weights (a list: outputs
+    concatenated) with the native kernel, which reads each weight once per call."""
+    return native.ops().linear(x, weights if isinstance(weights, list) else [weights], bias)
+
+
+def float32_weights(policy: torch.nn.Module) -> bool:
+    """True when the decoder's matrices of ``policy`` are float32 (the native float32 path reads them as is)."""
+    layer = policy.get_decoder().layers[0]
+    return all(effective_weight(m)[0].dtype == torch.float32
+               for m in (layer.self_attn.q_proj, layer.mlp.down_proj, policy.get_output_embeddings()))
 
 
 class LlamaDecoder:
@@ -139,6 +162,8 @@ class LlamaDecoder:
 
     ``head_weight`` is the float32 output head (shared with the caller); with tied embeddings it also serves
     input lookups, so no second embedding copy is kept. ``refresh(policy)`` copies updated weights in place.
+    In float32 with the native kernels (``shares_weights``) the matrices are the policy's own tensors, read in
+    place; ``refresh`` then only merges LoRA deltas again.
     """
 
     def __init__(
@@ -153,8 +178,14 @@ class LlamaDecoder:
         # Below float32 the head runs in ``dtype`` too and the ``exact_top`` largest logits of each row are
         # recomputed in float32 (0: the whole head in float32; see ``_head``).
         self.exact_top = exact_top if dtype != torch.float32 else 0
+        # The C++ kernels (engines/native) replace the small operations of a decode step; their cache
+        # (decode_kv.PromptSharedKV) keeps keys transposed, and each prompt once for its group. In bf16 its keys
+        # are bf16 (the same values as float32 keys: rotary rounds them to bf16 first).
+        self.native = native_kernels and dtype in (torch.bfloat16, torch.float32) and native.available()
+        self.shares_weights = self.native and dtype == torch.float32 and float32_weights(policy)
         self.packed = dtype == torch.bfloat16 and packing_available()
-        self.linear = packed_linear if self.packed else F.linear
+        self.linear = native_linear if self.shares_weights else packed_linear if self.packed else F.linear
+        self.policy_storages = {p.untyped_storage().data_ptr() for p in policy.parameters()}  # for nbytes
         self.dtype = dtype
         self.heads = cfg.num_attention_heads
         self.kv_heads = cfg.num_key_value_heads
@@ -165,19 +196,25 @@ class LlamaDecoder:
         decoder = policy.get_decoder()
         self.rotary = decoder.rotary_emb
         self.tied = policy.get_input_embeddings().weight is policy.get_output_embeddings().weight
-        self.embed = None if self.tied else policy.get_input_embeddings().weight.detach().to(dtype).clone()
+        self.embed = None if self.tied else self._copy(policy.get_input_embeddings().weight)
         self.layers = [self._fuse(layer) for layer in decoder.layers]
         self.final_norm = decoder.norm.weight.detach().to(dtype).clone()
         self.head_low = self._matmul_weight(head_weight) if self.exact_top else None
-        # The C++ kernels (engines/native) replace the small bf16 operations of a decode step; their cache
-        # (decode_kv.PromptSharedKV) keeps keys in bf16 (the same values as float32 keys: rotary rounds them to
-        # bf16 first), transposed, and each prompt once for its group.
-        self.native = native_kernels and dtype == torch.bfloat16 and native.available()
+
+    def _copy(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` in ``dtype``: the policy's own tensor when weights are shared, else our own copy."""
+        return weight.detach() if self.shares_weights else weight.detach().to(self.dtype).clone()
 
     def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """Our own copy of ``weight`` in ``dtype``, prepacked when packing is on."""
         weight = weight.to(self.dtype, copy=True)
         return pack(weight) if self.packed else weight
+
+    def _matmul_weights(self, *weights: torch.Tensor) -> Weights:
+        """The matrices of one matmul whose outputs are concatenated: as they are (shared weights), or fused."""
+        if self.shares_weights:
+            return list(weights)
+        return self._matmul_weight(torch.cat(weights) if len(weights) > 1 else weights[0])
 
     def _fuse(self, layer: torch.nn.Module) -> _Layer:
         att, mlp = layer.self_attn, layer.mlp
@@ -185,26 +222,25 @@ class LlamaDecoder:
         bias = None if qb is None else torch.cat([qb, kb, vb]).to(self.dtype)
         return _Layer(
             in_norm=layer.input_layernorm.weight.detach().to(self.dtype).clone(),
-            qkv=self._matmul_weight(torch.cat([q, k, v])),
+            qkv=self._matmul_weights(q, k, v),
             qkv_bias=bias,
-            o=self._matmul_weight(effective_weight(att.o_proj)[0]),
+            o=self._matmul_weights(effective_weight(att.o_proj)[0]),
             post_norm=layer.post_attention_layernorm.weight.detach().to(self.dtype).clone(),
-            gate_up=self._matmul_weight(
-                torch.cat([effective_weight(mlp.gate_proj)[0], effective_weight(mlp.up_proj)[0]])
-            ),
-            down=self._matmul_weight(effective_weight(mlp.down_proj)[0]),
+            gate_up=self._matmul_weights(effective_weight(mlp.gate_proj)[0], effective_weight(mlp.up_proj)[0]),
+            down=self._matmul_weights(effective_weight(mlp.down_proj)[0]),
         )
 
     @torch.no_grad()
     def refresh(self, policy: torch.nn.Module) -> None:
         """Take ``policy``'s current weights (LoRA merged), one layer at a time so memory peaks at one layer."""
         decoder = policy.get_decoder()
+        self.policy_storages = {p.untyped_storage().data_ptr() for p in policy.parameters()}
         for i, layer in enumerate(decoder.layers):
             self.layers[i] = self._fuse(layer)
         self.final_norm.copy_(decoder.norm.weight)
         if self.exact_top:
             self.head_low = self._matmul_weight(self.head_weight)
-        if self.embed is not None:
+        if self.embed is not None and not self.shares_weights:
             self.embed.copy_(policy.get_input_embeddings().weight)
 
     def release(self) -> None:
@@ -214,9 +250,13 @@ class LlamaDecoder:
         self.head_low = None
 
     def nbytes(self) -> int:
-        """Bytes of the weights this decoder holds beyond the caller's float32 head."""
+        """Bytes of the weights this decoder holds beyond the caller's float32 head (shared weights, the
+        policy's own tensors, are not counted)."""
         tensors = [t for layer in self.layers if layer is not None for t in vars(layer).values() if t is not None]
+        tensors = [w for t in tensors for w in (t if isinstance(t, list) else [t])]
         tensors += [t for t in (self.final_norm, self.head_low, self.embed) if t is not None]
+        if self.shares_weights:
+            tensors = [t for t in tensors if t.untyped_storage().data_ptr() not in self.policy_storages]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -236,6 +276,8 @@ class LlamaDecoder:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``_head`` after the final norm."""
         if self.head_low is None:
+            if self.shares_weights:
+                return native_linear(hidden, self.head_weight)
             return F.linear(hidden.float(), self.head_weight)
         low = self.linear(hidden, self.head_low)
         rescore = native.ops().rescore_head if self.native else rescore_top  # the same; native in two passes a row

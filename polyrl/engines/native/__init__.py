@@ -1,11 +1,17 @@
 """Fused C++ kernels for the fused decode path, compiled on first use and cached.
 
 ``available()`` builds the ``*.cpp`` files beside this module with torch's extension builder (a C++ compiler
-and ninja are needed; ninja is a dependency) into the polyrl cache, keyed by the sources, the torch version
-and this CPU's instruction sets (the build targets the CPU it runs on), and loads them as
-``torch.ops.polyrl_native``. Without a compiler, or with ``POLYRL_NATIVE=0`` in the environment, it returns
-False, with a warning in the first case, and the decode path keeps its torch operations: the kernels are an
-acceleration, never a requirement.
+and ninja are needed; ninja is a dependency) into the polyrl cache, keyed by the sources, the torch version,
+this CPU's instruction sets and the instruction-set cap, and loads them as ``torch.ops.polyrl_native``.
+
+The build targets the CPU it runs on (``-march=native``) unless ``ATEN_CPU_CAPABILITY``, torch's own cap on
+the instruction sets its kernels use, says otherwise: ``avx2`` builds for AVX2 and FMA (how an AVX-512 machine
+shows the speed of a CPU without it), ``default`` builds the portable C++ loops alone (what a CPU without AVX2,
+e.g. an Arm one, runs, with whatever vectors the compiler finds).
+
+Without a compiler, or with ``POLYRL_NATIVE=0`` in the environment, ``available()`` returns False, with a
+warning in the first case, and the decode path keeps its torch operations: the kernels are an acceleration,
+never a requirement.
 """
 
 from __future__ import annotations
@@ -41,8 +47,23 @@ def _cpu_flags() -> bytes:
     return platform.processor().encode()
 
 
+ISA_FLAGS = {"avx2": ["-mavx2", "-mfma", "-mf16c"], "default": []}
+"""Compiler flags per ``ATEN_CPU_CAPABILITY`` value; any other value (or none) builds for this CPU."""
+
+
+def isa_cap() -> str:
+    """The instruction-set cap the kernels are built for: ``avx2``, ``default`` or ``native``."""
+    cap = os.environ.get("ATEN_CPU_CAPABILITY", "")  # spelt as torch reads it: lower case
+    return cap if cap in ISA_FLAGS else "native"
+
+
+def _arch_flags() -> list[str]:
+    cap = isa_cap()
+    return ["-march=native"] if cap == "native" else ISA_FLAGS[cap]
+
+
 def _build_dir() -> Path:
-    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags())
+    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags() + isa_cap().encode())
     for source in SOURCES + sorted(Path(__file__).parent.glob("*.h")):
         digest.update(source.read_bytes())
     key = digest.hexdigest()[:16]
@@ -79,7 +100,7 @@ def _load() -> bool:
         cpp_extension.load(
             name="polyrl_native",
             sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_cflags=["-O3", *_arch_flags(), "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,

@@ -2,6 +2,7 @@
 // shared prompt and its own generated positions, one softmax over both (polyrl/engines/decode_kv.py,
 // PromptSharedKV). Same roundings as the torch attention it replaces (tests/test_native_kernels.py).
 
+#include "f32_kernels.h"
 #include "kernels_common.h"
 
 namespace {
@@ -205,6 +206,9 @@ at::Tensor attention(const at::Tensor& qkv, const c10::optional<at::Tensor>& pre
                      const c10::optional<at::Tensor>& row_prompt, const at::Tensor& keys, const at::Tensor& values,
                      const c10::optional<at::Tensor>& bias, int64_t length, double scale, int64_t heads,
                      int64_t kv_heads) {
+  if (qkv.scalar_type() == at::kFloat)  // the float32 path (f32_kernels.cpp)
+    return f32::attention(qkv, prefix_keys, prefix_values, prefix_bias, row_prompt, keys, values, bias, length, scale,
+                          heads, kv_heads);
   check_bf16_2d(qkv, "qkv");
   check_kv(keys, values);
   const int64_t rows = qkv.size(0), d = values.size(3), cap = values.size(2);

@@ -7,8 +7,10 @@
 // the torch operations it replaces do, so results agree with them to the order of float32 summation
 // (tests/test_native_kernels.py).
 //
-// Registered as torch operators (namespace polyrl_native); built on first use by polyrl/engines/native.
+// Registered as torch operators (namespace polyrl_native); built on first use by polyrl/engines/native. Float32
+// tensors go to the float32 versions (f32_kernels.cpp).
 
+#include "f32_kernels.h"
 #include "kernels_common.h"
 
 namespace {
@@ -19,6 +21,7 @@ using namespace polyrl_native;
 // the residual add and Llama's RMSNorm as torch computes them in bfloat16 (statistics in float32).
 at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, const at::Tensor& weight,
                         double eps) {
+  if (x.scalar_type() == at::kFloat) return f32::add_rms_norm(x, delta, weight, eps);
   check_bf16_2d(x, "x");
   const int64_t rows = x.size(0), width = x.size(1);
   const bool add = delta.has_value();
@@ -76,6 +79,7 @@ at::Tensor add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& delta, co
 // [B, kv_heads, capacity, d], at ``position``.
 void rope_write(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor keys, at::Tensor values,
                 int64_t position, int64_t heads, int64_t kv_heads) {
+  if (qkv.scalar_type() == at::kFloat) return f32::rope_write(qkv, cos, sin, keys, values, position, heads, kv_heads);
   check_bf16_2d(qkv, "qkv");
   TORCH_CHECK(keys.dtype() == at::kBFloat16 && values.dtype() == at::kBFloat16, "keys and values must be bf16");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "keys and values must be contiguous");
@@ -136,6 +140,7 @@ void rope_write(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at
 
 // bf16(bf16(silu(gate)) * up) for ``gate_up`` [B, 2 I] holding gate then up: the MLP's activation.
 at::Tensor silu_mul(const at::Tensor& gate_up) {
+  if (gate_up.scalar_type() == at::kFloat) return f32::silu_mul(gate_up);
   check_bf16_2d(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), inner = gate_up.size(1) / 2;
   auto out = at::empty({rows, inner}, gate_up.options());

@@ -10,6 +10,7 @@
 #include <tuple>
 
 #include "kernels_common.h"
+#include "simd.h"
 
 namespace {
 
@@ -126,6 +127,15 @@ std::tuple<at::Tensor, at::Tensor> sample_inverse_cdf(const at::Tensor& logits, 
         mv = _mm512_max_ps(mv, v);
       }
       m = _mm512_reduce_max_ps(mv);
+#else  // AVX2 or the portable loops (simd.h)
+      const polyrl_simd::VF tv = polyrl_simd::vset(temp);
+      polyrl_simd::VF mv = polyrl_simd::vset(m);
+      for (; j + polyrl_simd::kLanes <= vocab; j += polyrl_simd::kLanes) {
+        polyrl_simd::VF v = polyrl_simd::vload(x + j);
+        if (scale) v = v / tv;
+        mv = polyrl_simd::vmax(mv, v);
+      }
+      m = polyrl_simd::vmaxr(mv);
 #endif
       for (; j < vocab; ++j) m = std::max(m, at_(j));
       // Block sums of exp(x - max), then their running sum.
@@ -143,6 +153,15 @@ std::tuple<at::Tensor, at::Tensor> sample_inverse_cdf(const at::Tensor& logits, 
           sv = _mm512_add_ps(sv, Sleef_expf16_u10(_mm512_sub_ps(v, mm)));
         }
         s = _mm512_reduce_add_ps(sv);
+#else
+        const polyrl_simd::VF mm = polyrl_simd::vset(m);
+        polyrl_simd::VF sv = polyrl_simd::vzero();
+        for (; t + polyrl_simd::kLanes <= hi; t += polyrl_simd::kLanes) {
+          polyrl_simd::VF v = polyrl_simd::vload(x + t);
+          if (scale) v = v / tv;
+          sv = sv + polyrl_simd::vexp(v - mm);
+        }
+        s = polyrl_simd::vsum(sv);
 #endif
         for (; t < hi; ++t) s += std::exp(at_(t) - m);
         running += s;
@@ -156,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor> sample_inverse_cdf(const at::Tensor& logits, 
       int64_t i = std::upper_bound(cdf.begin(), cdf.begin() + last, target) - cdf.begin();
       const float before = i > 0 ? cdf[i - 1] : 0.f;
       const int64_t lo = i * block, n = std::min(vocab, lo + block) - lo;
-      // The same exponentials as the block sums (16 at a time from the block's start, then one by one).
+      // The same exponentials as the block sums (a vector at a time from the block's start, then one by one).
       int64_t t = 0;
 #ifdef __AVX512F__
       const __m512 mm = _mm512_set1_ps(m);
@@ -164,6 +183,13 @@ std::tuple<at::Tensor, at::Tensor> sample_inverse_cdf(const at::Tensor& logits, 
         __m512 v = _mm512_loadu_ps(x + lo + t);
         if (scale) v = _mm512_div_ps(v, tv);
         _mm512_storeu_ps(inner.data() + t, Sleef_expf16_u10(_mm512_sub_ps(v, mm)));
+      }
+#else
+      const polyrl_simd::VF mm = polyrl_simd::vset(m);
+      for (; t + polyrl_simd::kLanes <= n; t += polyrl_simd::kLanes) {
+        polyrl_simd::VF v = polyrl_simd::vload(x + lo + t);
+        if (scale) v = v / tv;
+        polyrl_simd::vstore(inner.data() + t, polyrl_simd::vexp(v - mm));
       }
 #endif
       for (; t < n; ++t) inner[t] = std::exp(at_(lo + t) - m);
