@@ -72,8 +72,8 @@ def test_other_terms_keep_the_passes(algo, advantages):
 def test_only_losses_linear_in_the_advantage_skip(monkeypatch):
     from polyrl.algorithms import LOSSES
 
-    def shifted(logp, old_logp, advantages, mask, **kwargs):  # a loss with a term that ignores the advantage
-        return -(logp * mask).sum() / mask.sum(), {"clip_frac": 0.0}
+    def shifted(x, **kwargs):  # a loss with a term that ignores the advantage
+        return -(x.logp * x.mask).sum() / x.mask.sum(), {"clip_frac": 0.0}
 
     monkeypatch.setitem(LOSSES._items, "shifted_test_loss", shifted)
     learner = _learner()
