@@ -51,11 +51,13 @@ def median_time(fn: Callable[[], object], repeats: int, min_s: float = 0.0, warm
     return statistics.median(times)
 
 
-def measure_roofline(repeats: int = 5) -> dict[str, float]:
-    """Peak-ish matmul GFLOP/s (float32, bfloat16) and memory read bandwidth (GB/s) of this machine, now."""
+def measure_roofline(repeats: int = 5, dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict[str, float]:
+    """Peak-ish matmul GFLOP/s (of ``dtypes``: fp32, bf16) and memory read bandwidth (GB/s) of this machine, now."""
     out = {}
     m = k = n = 1024
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        if name not in dtypes:
+            continue
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         out[f"matmul_gflops_{name}"] = 2 * m * k * n / median_time(lambda a=a, b=b: a @ b, repeats, 0.2) / 1e9
     x = torch.ones(128 * 2**20 // 4)  # 128 MiB: far larger than the caches, like a decode step's weights
@@ -91,9 +93,9 @@ def measure_rollout(engine, prompt: list[int], prompts: int, group: int, new_tok
 
 
 def matmul_ceiling(engine, rows: int, repeats: int) -> float:
-    """Tokens/s of a decode step's matmuls alone at ``rows`` rows (every layer's fused weights and the bf16
-    head, as the fused path runs them, on random inputs): the rate the decode path would reach if nothing but
-    its matmuls took time."""
+    """Tokens/s of a decode step's matmuls alone at ``rows`` rows (every layer's fused weights and the head,
+    bf16 or float32, as the fused path runs them, on random inputs): the rate the decode path would reach if
+    nothing but its matmuls took time."""
     dec = engine.fast
     x_h = torch.randn(rows, dec.final_norm.numel(), dtype=dec.dtype)
     # Packed weights do not keep the [out, in] shape: the MLP's inner width is read off a product.
@@ -106,7 +108,7 @@ def matmul_ceiling(engine, rows: int, repeats: int) -> float:
             dec.linear(x_a, layer.o)
             dec.linear(x_h, layer.gate_up)
             dec.linear(x_i, layer.down)
-        dec.linear(x_h, dec.head_low)
+        dec.linear(x_h, dec.head_low if dec.head_low is not None else dec.head_weight)
 
     return rows / median_time(step, repeats, 0.5)
 

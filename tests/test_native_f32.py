@@ -266,6 +266,48 @@ def test_the_float32_engine_sees_updates_without_a_copy(ops):
     assert [c.token_ids for g in after for c in g] != [c.token_ids for g in before for c in g]
 
 
+def test_bf16_weights_widened_stay_within_bf16_rounding_of_the_float32_model(ops, tiny):
+    """A bf16 copy of the matrices read by the float32 kernels: logits within the bf16 weights' rounding of the
+    transformers model (as the bf16 path), the head's 32 largest per row recomputed exactly in float32."""
+    head = tiny.get_output_embeddings().weight.detach()
+    dec = LlamaDecoder(tiny, head, torch.float32, weight_dtype=torch.bfloat16)
+    assert dec.native and not dec.shares_weights and dec.head_low.dtype == torch.bfloat16
+    assert dec.layers[0].qkv.dtype == torch.bfloat16
+    ids = torch.tensor([[2, 2, 1, 2, 3], [4, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    first, kv = dec.prefill(ids, mask, positions)
+    full_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    second = dec.decode(torch.tensor([9, 10]), full_mask, positions[:, -1] + 1, kv)
+    with torch.no_grad():
+        full = torch.cat([ids, torch.tensor([[9], [10]])], 1)
+        want = tiny(input_ids=full, attention_mask=full_mask,
+                    position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()[:, -2:]
+    err = (torch.stack([first, second], 1) - want).abs().max()
+    assert 1e-6 < err < 0.05  # the weights were rounded to bf16, and the logits (magnitude ~1) moved by that only
+    hidden = randn(4, head.shape[1], seed=30)
+    logits = dec._logits(hidden)
+    exact = hidden @ head.T
+    top = exact.topk(dec.exact_top, dim=-1).indices[:, :8]  # well inside the rescored set
+    assert torch.allclose(logits.gather(1, top), exact.gather(1, top), atol=1e-5)
+    assert (logits - exact).abs().max() < 0.05
+
+
+def test_bf16_weights_without_native_bf16_take_the_widened_path(ops, tiny, monkeypatch):
+    from polyrl.engines import llama_decode
+
+    tok = load_tokenizer("tiny-random")
+    assert HFEngine(tiny, tok, bf16=False, bf16_weights=True).fast.dtype == (
+        torch.bfloat16 if llama_decode.computes_bf16() else torch.float32)
+    monkeypatch.setattr(llama_decode, "computes_bf16", lambda: False)  # an AVX2 CPU
+    engine = HFEngine(tiny, tok, bf16=False, bf16_weights=True)
+    assert engine.fast.dtype == torch.float32 and engine.fast.weight_dtype == torch.bfloat16
+    assert engine.head_weight.data_ptr() != tiny.get_output_embeddings().weight.data_ptr()  # a snapshot
+    out = engine.generate(PROMPTS, n=2, max_new_tokens=6, temperature=1.0, seed=1)
+    assert all(len(c.token_ids) for g in out for c in g)
+    assert all(lp <= 0 for g in out for c in g for lp in c.logprobs)
+
+
 def test_without_the_native_kernels_the_float32_engine_keeps_the_transformers_model(tiny):
     engine = HFEngine(tiny, load_tokenizer("tiny-random"), bf16=False, bf16_weights=False, native_kernels=False)
     assert engine.fast is None and engine.model is tiny

@@ -152,7 +152,8 @@ class HFEngine:
     With ``bf16_weights`` and ``fast_decode`` on a Llama-family policy on the CPU, that copy is the fused one of
     ``llama_decode.LlamaDecoder`` and prefill and decoding run through it instead of the transformers model.
     Without either bf16 setting the same decoder runs in float32 when the native kernels are there, reading the
-    float32 policy's own weights (no copy; ``sync()`` merges LoRA deltas again).
+    float32 policy's own weights (no copy; ``sync()`` merges LoRA deltas again). With ``bf16_weights`` on a CPU
+    without native bf16 matmuls it runs in float32 too, on its bf16 copy widened to float32 in registers.
 
     The engine runs on the policy's device. On a GPU it takes the transformers path (the fused path and the
     native kernels are CPU code), samples on the GPU from a generator there, and copies one step's results to
@@ -187,14 +188,20 @@ class HFEngine:
         self.rebuild_on_use = False
         """Released with ``until_used``: the next decode syncs first."""
         fused = fast_decode and on_cpu and llama_decode.supports(policy)
-        float32_fused = (fused and not bf16_weights and not bf16 and self.native_sampling
-                         and llama_decode.float32_weights(policy))
-        if (fused and bf16_weights) or float32_fused:
+        # The fused decoder in float32 on the native kernels: on the policy's own float32 weights, or, for
+        # bf16_weights where the CPU has no native bf16 matmuls, on a bf16 copy widened to float32 in registers.
+        float32_decoder = fused and self.native_sampling and llama_decode.float32_weights(policy)
+        weights = None
+        if float32_decoder and bf16_weights and not llama_decode.computes_bf16():
+            weights = torch.bfloat16
+        elif float32_decoder and not bf16_weights and not bf16:
+            weights = torch.float32
+        if weights is not None or (fused and bf16_weights):
             head = policy.get_output_embeddings().weight.detach()
-            self.head_weight = head if float32_fused else head.clone()
+            self.head_weight = head if weights == torch.float32 else head.clone()  # a copy: refreshed by sync
             self.fast = llama_decode.LlamaDecoder(
-                policy, self.head_weight, torch.bfloat16 if bf16_weights else torch.float32,
-                native_kernels=native_kernels,
+                policy, self.head_weight, torch.bfloat16 if weights is None else torch.float32,
+                native_kernels=native_kernels, weight_dtype=weights,
             )
             self.model, self.bf16 = policy, False
         elif bf16_weights:

@@ -14,9 +14,11 @@ q, k, v and gate, up as separate matmuls. This module runs the same computation 
   query rows, so nothing is repeated.
 
 In float32 with the native kernels (a CPU without native bf16, or an engine that samples from the float32
-policy) the decoder keeps no copy of the weights: the native ``linear`` reads the policy's own [out, in]
-matrices (q, k, v and gate, up as lists, so nothing is concatenated), and every small operation between the
-matmuls is a float32 kernel.
+policy) every small operation between the matmuls is a float32 kernel and the native ``linear`` does the
+matmuls. With float32 weights it reads the policy's own [out, in] matrices (q, k, v and gate, up as lists, so
+nothing is concatenated): no copy. With ``weight_dtype`` bf16 it reads a bf16 copy, widened to float32 in
+registers: half the bytes per decode step, which bound the steps with few rows, at the bf16 path's rounding of
+the weights (the head's largest logits recomputed in float32, as there).
 
 It computes what the transformers model computes (same op order, same dtypes: bf16 residual stream, float32
 RMS statistics, float32 output head); tests/test_llama_decode.py checks logits against it and tokens against the
@@ -25,6 +27,7 @@ reference engine.
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 
 from polyrl.engines import native
 from polyrl.engines.decode_kv import KVBuffers, PromptSharedKV
+from polyrl.models.device import native_bf16
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; any row count still works
@@ -150,6 +154,14 @@ def native_linear(x: torch.Tensor, weights: Weights, bias: torch.Tensor | None =
     return native.ops().linear(x, weights if isinstance(weights, list) else [weights], bias)
 
 
+def computes_bf16() -> bool:
+    """True when this CPU runs bf16 matmuls natively as the process sees it (oneDNN's instruction-set cap,
+    ``ONEDNN_MAX_CPU_ISA``, included); elsewhere a bf16 copy of the weights is widened to float32 instead."""
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return packing_available()
+    return native_bf16("cpu")
+
+
 def float32_weights(policy: torch.nn.Module) -> bool:
     """True when the decoder's matrices of ``policy`` are float32 (the native float32 path reads them as is)."""
     layer = policy.get_decoder().layers[0]
@@ -173,18 +185,22 @@ class LlamaDecoder:
         dtype: torch.dtype = torch.bfloat16,
         exact_top: int = 32,
         native_kernels: bool = True,
+        weight_dtype: torch.dtype | None = None,
     ):
         cfg = _config(policy)
-        # Below float32 the head runs in ``dtype`` too and the ``exact_top`` largest logits of each row are
-        # recomputed in float32 (0: the whole head in float32; see ``_head``).
-        self.exact_top = exact_top if dtype != torch.float32 else 0
         # The C++ kernels (engines/native) replace the small operations of a decode step; their cache
         # (decode_kv.PromptSharedKV) keeps keys transposed, and each prompt once for its group. In bf16 its keys
         # are bf16 (the same values as float32 keys: rotary rounds them to bf16 first).
         self.native = native_kernels and dtype in (torch.bfloat16, torch.float32) and native.available()
-        self.shares_weights = self.native and dtype == torch.float32 and float32_weights(policy)
+        native_f32 = self.native and dtype == torch.float32
+        # The matrices' dtype: ``dtype``, or bf16 widened to float32 by the native float32 ``linear``.
+        self.weight_dtype = weight_dtype if weight_dtype is not None and native_f32 else dtype
+        # Below float32 the head runs in ``weight_dtype`` too and the ``exact_top`` largest logits of each row are
+        # recomputed in float32 (0: the whole head in float32; see ``_head``).
+        self.exact_top = exact_top if self.weight_dtype != torch.float32 else 0
+        self.shares_weights = native_f32 and self.weight_dtype == torch.float32 and float32_weights(policy)
         self.packed = dtype == torch.bfloat16 and packing_available()
-        self.linear = native_linear if self.shares_weights else packed_linear if self.packed else F.linear
+        self.linear = native_linear if native_f32 else packed_linear if self.packed else F.linear
         self.policy_storages = {p.untyped_storage().data_ptr() for p in policy.parameters()}  # for nbytes
         self.dtype = dtype
         self.heads = cfg.num_attention_heads
@@ -206,8 +222,8 @@ class LlamaDecoder:
         return weight.detach() if self.shares_weights else weight.detach().to(self.dtype).clone()
 
     def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """Our own copy of ``weight`` in ``dtype``, prepacked when packing is on."""
-        weight = weight.to(self.dtype, copy=True)
+        """Our own copy of ``weight`` in ``weight_dtype``, prepacked when packing is on."""
+        weight = weight.to(self.weight_dtype, copy=True)
         return pack(weight) if self.packed else weight
 
     def _matmul_weights(self, *weights: torch.Tensor) -> Weights:
@@ -276,10 +292,12 @@ class LlamaDecoder:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``_head`` after the final norm."""
         if self.head_low is None:
-            if self.shares_weights:
+            if self.linear is native_linear:
                 return native_linear(hidden, self.head_weight)
             return F.linear(hidden.float(), self.head_weight)
         low = self.linear(hidden, self.head_low)
+        if self.dtype == torch.float32:  # bf16 weights widened: float32 logits to rescore
+            return rescore_top(low, hidden, self.head_weight, self.exact_top)
         rescore = native.ops().rescore_head if self.native else rescore_top  # the same; native in two passes a row
         return rescore(low, hidden, self.head_weight, self.exact_top)
 

@@ -1,0 +1,224 @@
+"""The float32 decode path on a CPU without native bf16 (AVX2), against the bf16 path, as fractions of the bound.
+
+Reproduces an AVX2-only CPU on any x86 machine by forcing float32 and capping the instruction sets every
+library uses: ``ATEN_CPU_CAPABILITY=avx2`` (torch's kernels, and polyrl's native kernels, which build for the
+same cap), ``ONEDNN_MAX_CPU_ISA=AVX2`` (oneDNN) and ``MKL_ENABLE_INSTRUCTIONS=AVX2`` (MKL's BLAS). Each path
+runs in a process of its own, since the caps are read when the libraries load.
+
+Part ``decode``: per path, the machine's bound measured in the same process (1024^3 matmul GFLOP/s in the
+path's dtype, memory read GB/s), then rollout tokens/s of SmolLM2-135M at 16, 64 and 256 rows (exactly 64 new
+tokens per row), the engine before this path existed and the engine now, alternating, median of ``--repeats``;
+and a decode step's matmuls alone at each width. The bound is the lower of compute (2N FLOPs per token at the
+matmul rate) and memory (the sampling weights read once per step for the whole batch: 4N bytes in float32,
+2N in bf16); the roofline is measured again after the rollouts and both are kept.
+  - float32 (capped): before = the transformers model in float32 (``engine.fast_decode=false``: the engine
+    as it ran before the fused float32 path), now = the fused decoder on the native float32 kernels.
+  - bf16 (uncapped, the default on a CPU with native bf16): before and now are the same engine (this path's
+    code did not change); both columns are kept so that the pair measures the machine's noise.
+
+Part ``quickstart``: ``polyrl train configs/quickstart.yaml model.bf16=false engine.bf16_weights=false`` with
+the caps, ``--steps`` steps (no evaluation), median step time; runs of the code before (``--before-tree``: a
+checkout of the commit before, e.g. ``git archive``; else ``engine.fast_decode=false`` in this tree) and now
+alternate; with ``--bf16`` also the default bf16 quickstart, uncapped, for the ratio to it.
+
+    python benchmarks/avx2_path.py --part decode                # ~15 min on 2 cores
+    python benchmarks/avx2_path.py --part quickstart --before-tree /tmp/before   # ~30 min
+
+The machine is named in the JSON (model, cores, flags that matter, load averages at the start and the end of
+each measurement): on a shared machine the fractions move with the load, so the ratios measured in one run are
+the figures to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+PATHS = {"float32_avx2": CAPS, "bf16": {}}
+FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def machine() -> dict:
+    """The CPU, its core count, the instruction sets that matter here, the load now."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("model name")),
+                 platform.processor() or platform.machine())
+    family = next((x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("cpu family")), "?")
+    words = set(text.split())
+    return {"cpu": model, "cpu_family": family, "cores": os.cpu_count(),
+            "flags": [f for f in FLAGS if f in words], "load_average": list(os.getloadavg())}
+
+
+def load_now() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# ---------------------------------------------------------------------------------------------- decode part
+
+
+def decode_worker(path: str, rows: list[int], repeats: int) -> dict:
+    """Runs inside the capped (or uncapped) process: the bound, then before / now rollouts at each width."""
+    import torch
+    from roofline import matmul_ceiling, measure_rollout, measure_roofline, model_numbers, prompt_ids
+
+    from polyrl.engines import native
+    from polyrl.engines.hf import HFEngine
+    from polyrl.models.loading import load_model, load_tokenizer
+    from polyrl.train.glibc_malloc import keep_freed_memory
+
+    keep_freed_memory()  # as every run does
+    bf16 = path == "bf16"
+    dtype = "bf16" if bf16 else "fp32"
+    tokenizer = load_tokenizer("smollm2-135m-instruct")
+    model = load_model("smollm2-135m-instruct", None, seed=0)
+    prompt = prompt_ids(tokenizer)
+    now = HFEngine(model, tokenizer, bf16=bf16, bf16_weights=bf16)
+    before = now if bf16 else HFEngine(model, tokenizer, bf16=False, bf16_weights=False, fast_decode=False)
+    params = model_numbers(model)["params"]
+    step_bytes = (2 if bf16 else 4) * params
+    start = {"load": load_now(), **measure_roofline(dtypes=(dtype,))}
+    rate = start[f"matmul_gflops_{dtype}"] * 1e9
+    widths = []
+    for n in rows:
+        runs: dict[str, list[float]] = {"before": [], "now": []}
+        for engine in (before, now):
+            engine.generate([prompt] * (n // 8), n=8, max_new_tokens=8)  # warm-up at this width
+        for _ in range(repeats):
+            for label, engine in (("before", before), ("now", now)):
+                runs[label].append(measure_rollout(engine, prompt, n // 8, 8, 64, 1))
+        compute = rate / (2 * params)
+        memory = n * start["mem_read_gbs"] * 1e9 / step_bytes
+        bound = min(compute, memory)
+        tok = {k: statistics.median(v) for k, v in runs.items()}
+        ceiling = matmul_ceiling(now, n, repeats) if now.fast is not None else None
+        widths.append({
+            "rows": n, "tokens_per_s_before": tok["before"], "tokens_per_s_now": tok["now"],
+            "runs_before": runs["before"], "runs_now": runs["now"],
+            "compute_bound_tokens_per_s": compute, "memory_bound_tokens_per_s": memory,
+            "bound": "compute" if compute <= memory else "memory",
+            "fraction_of_bound_before": tok["before"] / bound, "fraction_of_bound_now": tok["now"] / bound,
+            "step_ms_now": 1e3 * n / tok["now"], "speedup": tok["now"] / tok["before"],
+            "matmuls_alone_tokens_per_s": ceiling, "load_after": load_now(),
+        })
+        print(f"{path} {n:>3} rows: before {tok['before']:.0f} tok/s, now {tok['now']:.0f} tok/s "
+              f"= {tok['now'] / bound:.0%} of the {widths[-1]['bound']} bound {bound:.0f} "
+              f"(before {tok['before'] / bound:.0%}); matmuls alone {ceiling or 0:.0f}", flush=True)
+    end = {"load": load_now(), **measure_roofline(dtypes=(dtype,))}
+    return {
+        "path": path, "caps": PATHS[path], "threads": torch.get_num_threads(),
+        "native_isa": native.ops().isa() if native.available() else None,
+        "engine_now": {"fused": now.fast is not None, "native": bool(now.fast and now.fast.native),
+                       "weights_shared_with_policy": bool(now.fast and now.fast.shares_weights)},
+        "params": params, "decode_step_bytes": step_bytes,
+        "roofline_start": start, "roofline_end": end, "widths": widths,
+    }
+
+
+def run_decode(args) -> dict:
+    out = {}
+    for path in args.paths:
+        env = {**os.environ, **PATHS[path]}
+        cmd = [sys.executable, __file__, "--worker", path, "--rows", *map(str, args.rows),
+               "--repeats", str(args.repeats)]
+        res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+        if res.returncode:
+            raise SystemExit(f"{path} worker failed: {res.stderr[-3000:]}")
+        print(res.stdout, end="", flush=True)
+        out[path] = json.loads(res.stdout.strip().splitlines()[-1])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ quickstart part
+
+
+def quickstart_run(tree: Path, env: dict, overrides: list[str]) -> dict:
+    """One ``polyrl train`` of the quickstart from ``tree``; its step times."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "polyrl", "train", "configs/quickstart.yaml", *overrides, "--output", out]
+        load = load_now()
+        start = time.perf_counter()
+        res = subprocess.run(cmd, env={**env, "PYTHONPATH": str(tree)}, cwd=tree, capture_output=True, text=True)
+        if res.returncode:
+            raise SystemExit(f"quickstart run failed in {tree}: {res.stderr[-3000:]}")
+        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step_time_s"] for r in rows if "step_time_s" in r]
+    return {"median_step_s": statistics.median(steps), "step_times_s": steps,
+            "median_rollout_s": statistics.median(r["rollout_time_s"] for r in rows if "rollout_time_s" in r),
+            "median_update_s": statistics.median(r["update_time_s"] for r in rows if "update_time_s" in r),
+            "rollout_tokens_per_s": statistics.median(r["rollout/tokens_per_s"] for r in rows
+                                                      if "rollout/tokens_per_s" in r),
+            "wall_s": time.perf_counter() - start, "load_start": load, "load_end": load_now()}
+
+
+def run_quickstart(args) -> dict:
+    common = ["eval.before=false", "eval.after=false", f"train.steps={args.steps}", "logging.progress=false",
+              "logging.report=false", "logging.tensorboard=false"]
+    float32 = ["model.bf16=false", "engine.bf16_weights=false"]
+    capped = {**os.environ, **CAPS}
+    if args.before_tree:
+        before = (Path(args.before_tree), capped, common + float32)
+    else:
+        before = (ROOT, capped, common + float32 + ["engine.fast_decode=false"])
+    variants = {"float32_avx2_before": before, "float32_avx2_now": (ROOT, capped, common + float32)}
+    if args.bf16:
+        variants["bf16_now"] = (ROOT, dict(os.environ), common)
+    runs: dict[str, list[dict]] = {k: [] for k in variants}
+    for i in range(args.quickstart_repeats):
+        for name, (tree, env, overrides) in variants.items():
+            runs[name].append(quickstart_run(tree, env, overrides))
+            r = runs[name][-1]
+            print(f"quickstart {name} run {i + 1}: median step {r['median_step_s']:.2f} s (rollout "
+                  f"{r['median_rollout_s']:.2f} s, update {r['median_update_s']:.2f} s), load {r['load_start']}",
+                  flush=True)
+    summary = {name: statistics.median(r["median_step_s"] for r in rs) for name, rs in runs.items()}
+    result = {"steps": args.steps, "before": "tree " + str(args.before_tree) if args.before_tree
+              else "engine.fast_decode=false", "runs": runs, "median_step_s": summary,
+              "ratio_now_to_before": summary["float32_avx2_now"] / summary["float32_avx2_before"]}
+    if args.bf16:
+        result["ratio_float32_now_to_bf16"] = summary["float32_avx2_now"] / summary["bf16_now"]
+    print(f"quickstart median step: {summary}; now / before {result['ratio_now_to_before']:.2f}", flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", choices=["decode", "quickstart", "all"], default="all")
+    ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
+    ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--repeats", type=int, default=3, help="alternating rollout runs per width")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--quickstart-repeats", type=int, default=2)
+    ap.add_argument("--before-tree", type=Path, default=None, help="a checkout of the code before, for the "
+                    "quickstart's before runs")
+    ap.add_argument("--bf16", action="store_true", help="also run the default bf16 quickstart (uncapped)")
+    ap.add_argument("--worker", choices=list(PATHS), help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "avx2_path.json")
+    args = ap.parse_args()
+    if args.worker:  # inside a capped process: one JSON line last
+        print(json.dumps(decode_worker(args.worker, args.rows, args.repeats)))
+        return
+    result = json.loads(args.out.read_text()) if args.out.exists() else {}
+    result["machine"] = machine()
+    if args.part in ("decode", "all"):
+        result["decode"] = run_decode(args)
+    if args.part in ("quickstart", "all"):
+        result["quickstart"] = run_quickstart(args)
+    result["machine"]["load_average_end"] = list(os.getloadavg())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
