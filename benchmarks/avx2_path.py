@@ -7,19 +7,23 @@ runs in a process of its own, since the caps are read when the libraries load.
 
 Part ``decode``: per path, the machine's bound measured in the same process (1024^3 matmul GFLOP/s in the
 path's dtype, memory read GB/s), then rollout tokens/s of SmolLM2-135M at 16, 64 and 256 rows (exactly 64 new
-tokens per row), the engine before this path existed and the engine now, alternating, median of ``--repeats``;
-and a decode step's matmuls alone at each width. The bound is the lower of compute (2N FLOPs per token at the
-matmul rate) and memory (the sampling weights read once per step for the whole batch: 4N bytes in float32,
-2N in bf16); the roofline is measured again after the rollouts and both are kept.
-  - float32 (capped): before = the transformers model in float32 (``engine.fast_decode=false``: the engine
-    as it ran before the fused float32 path), now = the fused decoder on the native float32 kernels.
-  - bf16 (uncapped, the default on a CPU with native bf16): before and now are the same engine (this path's
-    code did not change); both columns are kept so that the pair measures the machine's noise.
+tokens per row) for each engine, alternating, median of ``--repeats``; and each engine's decode-step matmuls
+alone at each width. An engine's bound is the lower of compute (2N FLOPs per token at the matmul rate) and
+memory (its weights read once per step for the whole batch: 4N bytes in float32, 2N in bf16); the roofline is
+measured again after the rollouts and both are kept.
+  - float32 (capped): ``before`` = the transformers model in float32 (``engine.fast_decode=false``, the
+    engine as it ran before the fused float32 path); ``now`` = the fused decoder on the native float32 kernels
+    and the policy's own weights; ``now_bf16_weights`` = ``engine.bf16_weights=true`` on this CPU without
+    native bf16: the same kernels on a bf16 copy widened in registers.
+  - bf16 (uncapped, the default on a CPU with native bf16): ``now`` only (this work did not change it).
+With ``--threads 1`` every time is the process's CPU time: on a machine shared with other jobs, wall times of
+two threads mostly measure how often a thread waits for the other one to be scheduled again.
 
 Part ``quickstart``: ``polyrl train configs/quickstart.yaml model.bf16=false engine.bf16_weights=false`` with
-the caps, ``--steps`` steps (no evaluation), median step time; runs of the code before (``--before-tree``: a
-checkout of the commit before, e.g. ``git archive``; else ``engine.fast_decode=false`` in this tree) and now
-alternate; with ``--bf16`` also the default bf16 quickstart, uncapped, for the ratio to it.
+the caps, ``--steps`` steps (no evaluation, no time cap), median step time; runs of the code before
+(``--before-tree``: a checkout of the commit before, e.g. ``git archive``; else ``engine.fast_decode=false`` in
+this tree), now, and now with ``engine.bf16_weights=true`` alternate; with ``--bf16`` also the default bf16
+quickstart, uncapped, for the ratio to it.
 
     python benchmarks/avx2_path.py --part decode                # ~15 min on 2 cores
     python benchmarks/avx2_path.py --part quickstart --before-tree /tmp/before   # ~30 min
@@ -68,60 +72,91 @@ def load_now() -> list[float]:
 # ---------------------------------------------------------------------------------------------- decode part
 
 
-def decode_worker(path: str, rows: list[int], repeats: int) -> dict:
-    """Runs inside the capped (or uncapped) process: the bound, then before / now rollouts at each width."""
+def rollout_rate(engine, prompt: list[int], rows: int, clock) -> float:
+    """Generated tokens per second (of ``clock``) for ``rows`` samples of exactly 64 tokens, 8 per prompt."""
+    stop_ids, engine.stop_ids = engine.stop_ids, set()  # fixed length: every row decodes every step
+    try:
+        start = clock()
+        engine.generate([prompt] * (rows // 8), n=8, max_new_tokens=64, seed=0)
+        return rows * 64 / (clock() - start)
+    finally:
+        engine.stop_ids = stop_ids
+
+
+def decode_worker(path: str, rows: list[int], repeats: int, threads: int | None) -> dict:
+    """Runs inside the capped (or uncapped) process: the bound, then the engines' rollouts at each width,
+    alternating. With one thread every time is the process's CPU time (robust to a shared machine)."""
     import torch
-    from roofline import matmul_ceiling, measure_rollout, measure_roofline, model_numbers, prompt_ids
+    from roofline import matmul_ceiling, measure_roofline, model_numbers, prompt_ids
 
     from polyrl.engines import native
     from polyrl.engines.hf import HFEngine
     from polyrl.models.loading import load_model, load_tokenizer
     from polyrl.train.glibc_malloc import keep_freed_memory
 
+    if threads:
+        torch.set_num_threads(threads)
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     keep_freed_memory()  # as every run does
     bf16 = path == "bf16"
     dtype = "bf16" if bf16 else "fp32"
     tokenizer = load_tokenizer("smollm2-135m-instruct")
     model = load_model("smollm2-135m-instruct", None, seed=0)
     prompt = prompt_ids(tokenizer)
-    now = HFEngine(model, tokenizer, bf16=bf16, bf16_weights=bf16)
-    before = now if bf16 else HFEngine(model, tokenizer, bf16=False, bf16_weights=False, fast_decode=False)
     params = model_numbers(model)["params"]
-    step_bytes = (2 if bf16 else 4) * params
-    start = {"load": load_now(), **measure_roofline(dtypes=(dtype,))}
+    # name -> (engine, bytes of weights one decode step reads)
+    if bf16:
+        engines = {"now": (HFEngine(model, tokenizer, bf16=True, bf16_weights=True), 2 * params)}
+    else:
+        engines = {
+            "before": (HFEngine(model, tokenizer, bf16=False, bf16_weights=False, fast_decode=False), 4 * params),
+            "now": (HFEngine(model, tokenizer, bf16=False, bf16_weights=False), 4 * params),
+            # engine.bf16_weights=true where the CPU has no native bf16: the bf16 copy widened in registers
+            "now_bf16_weights": (HFEngine(model, tokenizer, bf16=False, bf16_weights=True), 2 * params),
+        }
+    start = {"load": load_now(), **measure_roofline(dtypes=(dtype,), clock=clock)}
     rate = start[f"matmul_gflops_{dtype}"] * 1e9
+    compute = rate / (2 * params)
     widths = []
     for n in rows:
-        runs: dict[str, list[float]] = {"before": [], "now": []}
-        for engine in (before, now):
+        for engine, _ in engines.values():
             engine.generate([prompt] * (n // 8), n=8, max_new_tokens=8)  # warm-up at this width
+        runs: dict[str, list[float]] = {k: [] for k in engines}
         for _ in range(repeats):
-            for label, engine in (("before", before), ("now", now)):
-                runs[label].append(measure_rollout(engine, prompt, n // 8, 8, 64, 1))
-        compute = rate / (2 * params)
-        memory = n * start["mem_read_gbs"] * 1e9 / step_bytes
-        bound = min(compute, memory)
-        tok = {k: statistics.median(v) for k, v in runs.items()}
-        ceiling = matmul_ceiling(now, n, repeats) if now.fast is not None else None
-        widths.append({
-            "rows": n, "tokens_per_s_before": tok["before"], "tokens_per_s_now": tok["now"],
-            "runs_before": runs["before"], "runs_now": runs["now"],
-            "compute_bound_tokens_per_s": compute, "memory_bound_tokens_per_s": memory,
-            "bound": "compute" if compute <= memory else "memory",
-            "fraction_of_bound_before": tok["before"] / bound, "fraction_of_bound_now": tok["now"] / bound,
-            "step_ms_now": 1e3 * n / tok["now"], "speedup": tok["now"] / tok["before"],
-            "matmuls_alone_tokens_per_s": ceiling, "load_after": load_now(),
-        })
-        print(f"{path} {n:>3} rows: before {tok['before']:.0f} tok/s, now {tok['now']:.0f} tok/s "
-              f"= {tok['now'] / bound:.0%} of the {widths[-1]['bound']} bound {bound:.0f} "
-              f"(before {tok['before'] / bound:.0%}); matmuls alone {ceiling or 0:.0f}", flush=True)
-    end = {"load": load_now(), **measure_roofline(dtypes=(dtype,))}
+            for name, (engine, _) in engines.items():
+                runs[name].append(rollout_rate(engine, prompt, n, clock))
+        width: dict = {"rows": n, "compute_bound_tokens_per_s": compute}
+        for name, (engine, step_bytes) in engines.items():
+            tok = statistics.median(runs[name])
+            memory = n * start["mem_read_gbs"] * 1e9 / step_bytes
+            bound = min(compute, memory)
+            ceiling = matmul_ceiling(engine, n, repeats, clock) if engine.fast is not None else None
+            width[name] = {
+                "tokens_per_s": tok, "runs": runs[name], "step_ms": 1e3 * n / tok,
+                "memory_bound_tokens_per_s": memory, "bound": "compute" if compute <= memory else "memory",
+                "fraction_of_bound": tok / bound, "matmuls_alone_tokens_per_s": ceiling,
+                "matmuls_alone_fraction_of_bound": ceiling / bound if ceiling else None,
+            }
+            print(f"{path} {n:>3} rows {name:<17} {tok:7.1f} tok/s = {tok / bound:4.0%} of the {width[name]['bound']} "
+                  f"bound {bound:.0f}; matmuls alone {ceiling or 0:.0f}", flush=True)
+        if "before" in engines:
+            width["speedup_now"] = width["now"]["tokens_per_s"] / width["before"]["tokens_per_s"]
+            width["speedup_now_bf16_weights"] = width["now_bf16_weights"]["tokens_per_s"] / width["before"][
+                "tokens_per_s"]
+        width["load_after"] = load_now()
+        widths.append(width)
+    end = {"load": load_now(), **measure_roofline(dtypes=(dtype,), clock=clock)}
+    now = engines["now"][0]
     return {
         "path": path, "caps": PATHS[path], "threads": torch.get_num_threads(),
+        "clock": "process CPU time (one thread)" if clock is time.process_time else "wall",
         "native_isa": native.ops().isa() if native.available() else None,
-        "engine_now": {"fused": now.fast is not None, "native": bool(now.fast and now.fast.native),
-                       "weights_shared_with_policy": bool(now.fast and now.fast.shares_weights)},
-        "params": params, "decode_step_bytes": step_bytes,
+        "engines": {name: {"fused": e.fast is not None, "native": bool(e.fast and e.fast.native),
+                           "dtype": str(e.fast.dtype) if e.fast else None,
+                           "weight_dtype": str(e.fast.weight_dtype) if e.fast else None,
+                           "weights_shared_with_policy": bool(e.fast and e.fast.shares_weights),
+                           "decode_step_bytes": b} for name, (e, b) in engines.items()},
+        "native_kernels_now": bool(now.fast and now.fast.native), "params": params,
         "roofline_start": start, "roofline_end": end, "widths": widths,
     }
 
@@ -131,13 +166,17 @@ def run_decode(args) -> dict:
     for path in args.paths:
         env = {**os.environ, **PATHS[path]}
         cmd = [sys.executable, __file__, "--worker", path, "--rows", *map(str, args.rows),
-               "--repeats", str(args.repeats)]
+               "--repeats", str(args.repeats), *(["--threads", str(args.threads)] if args.threads else [])]
         res = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
         if res.returncode:
             raise SystemExit(f"{path} worker failed: {res.stderr[-3000:]}")
         print(res.stdout, end="", flush=True)
         out[path] = json.loads(res.stdout.strip().splitlines()[-1])
     return out
+
+
+def decode_key(args) -> str:
+    return f"decode_{args.threads}_threads" if args.threads else "decode"
 
 
 # ------------------------------------------------------------------------------------------ quickstart part
@@ -163,15 +202,21 @@ def quickstart_run(tree: Path, env: dict, overrides: list[str]) -> dict:
 
 
 def run_quickstart(args) -> dict:
-    common = ["eval.before=false", "eval.after=false", f"train.steps={args.steps}", "logging.progress=false",
-              "logging.report=false", "logging.tensorboard=false"]
+    # No time cap: on a shared machine the quickstart's 7.5 minutes may end a run before its steps.
+    common = ["eval.before=false", "eval.after=false", f"train.steps={args.steps}", "train.max_minutes=600",
+              "logging.progress=false", "logging.report=false", "logging.tensorboard=false"]
     float32 = ["model.bf16=false", "engine.bf16_weights=false"]
     capped = {**os.environ, **CAPS}
+    if args.threads:
+        capped["OMP_NUM_THREADS"] = str(args.threads)
     if args.before_tree:
         before = (Path(args.before_tree), capped, common + float32)
     else:
         before = (ROOT, capped, common + float32 + ["engine.fast_decode=false"])
-    variants = {"float32_avx2_before": before, "float32_avx2_now": (ROOT, capped, common + float32)}
+    variants = {"float32_avx2_before": before, "float32_avx2_now": (ROOT, capped, common + float32),
+                # engine.bf16_weights=true where the CPU has no native bf16: the engine's bf16 copy, widened
+                "float32_avx2_bf16_weights_now": (ROOT, capped, common + ["model.bf16=false",
+                                                                          "engine.bf16_weights=true"])}
     if args.bf16:
         variants["bf16_now"] = (ROOT, dict(os.environ), common)
     runs: dict[str, list[dict]] = {k: [] for k in variants}
@@ -183,9 +228,12 @@ def run_quickstart(args) -> dict:
                   f"{r['median_rollout_s']:.2f} s, update {r['median_update_s']:.2f} s), load {r['load_start']}",
                   flush=True)
     summary = {name: statistics.median(r["median_step_s"] for r in rs) for name, rs in runs.items()}
-    result = {"steps": args.steps, "before": "tree " + str(args.before_tree) if args.before_tree
-              else "engine.fast_decode=false", "runs": runs, "median_step_s": summary,
-              "ratio_now_to_before": summary["float32_avx2_now"] / summary["float32_avx2_before"]}
+    result = {"steps": args.steps, "threads": args.threads or "torch's default",
+              "before": "tree " + str(args.before_tree) if args.before_tree else "engine.fast_decode=false",
+              "runs": runs, "median_step_s": summary,
+              "ratio_now_to_before": summary["float32_avx2_now"] / summary["float32_avx2_before"],
+              "ratio_bf16_weights_now_to_before": summary["float32_avx2_bf16_weights_now"]
+              / summary["float32_avx2_before"]}
     if args.bf16:
         result["ratio_float32_now_to_bf16"] = summary["float32_avx2_now"] / summary["bf16_now"]
     print(f"quickstart median step: {summary}; now / before {result['ratio_now_to_before']:.2f}", flush=True)
@@ -203,18 +251,20 @@ def main() -> None:
     ap.add_argument("--before-tree", type=Path, default=None, help="a checkout of the code before, for the "
                     "quickstart's before runs")
     ap.add_argument("--bf16", action="store_true", help="also run the default bf16 quickstart (uncapped)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own); with 1, "
+                    "decode times are the process's CPU time, robust to other jobs on the machine")
     ap.add_argument("--worker", choices=list(PATHS), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "avx2_path.json")
     args = ap.parse_args()
     if args.worker:  # inside a capped process: one JSON line last
-        print(json.dumps(decode_worker(args.worker, args.rows, args.repeats)))
+        print(json.dumps(decode_worker(args.worker, args.rows, args.repeats, args.threads)))
         return
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
     result["machine"] = machine()
     if args.part in ("decode", "all"):
-        result["decode"] = run_decode(args)
+        result[decode_key(args)] = run_decode(args)
     if args.part in ("quickstart", "all"):
-        result["quickstart"] = run_quickstart(args)
+        result[f"quickstart_{args.threads}_threads" if args.threads else "quickstart"] = run_quickstart(args)
     result["machine"]["load_average_end"] = list(os.getloadavg())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -35,23 +35,27 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "What is 3 + 4? Answer with just the number."
 
 
-def median_time(fn: Callable[[], object], repeats: int, min_s: float = 0.0, warmup: bool = True) -> float:
-    """Median seconds of one call of ``fn`` over ``repeats`` timings (each loops until ``min_s`` has passed)."""
+def median_time(fn: Callable[[], object], repeats: int, min_s: float = 0.0, warmup: bool = True,
+                clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median seconds of one call of ``fn`` over ``repeats`` timings (each loops until ``min_s`` has passed).
+    ``clock``: wall time, or ``time.process_time`` (the CPU time of a one-thread process: what the call cost
+    while it ran, not counting the time other processes held its core)."""
     if warmup:
         fn()  # allocator, oneDNN kernel selection
     times = []
     for _ in range(repeats):
-        calls, start = 0, time.perf_counter()
+        calls, start = 0, clock()
         while True:
             fn()
             calls += 1
-            if time.perf_counter() - start >= min_s:
+            if clock() - start >= min_s:
                 break
-        times.append((time.perf_counter() - start) / calls)
+        times.append((clock() - start) / calls)
     return statistics.median(times)
 
 
-def measure_roofline(repeats: int = 5, dtypes: tuple[str, ...] = ("fp32", "bf16")) -> dict[str, float]:
+def measure_roofline(repeats: int = 5, dtypes: tuple[str, ...] = ("fp32", "bf16"),
+                     clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Peak-ish matmul GFLOP/s (of ``dtypes``: fp32, bf16) and memory read bandwidth (GB/s) of this machine, now."""
     out = {}
     m = k = n = 1024
@@ -59,9 +63,10 @@ def measure_roofline(repeats: int = 5, dtypes: tuple[str, ...] = ("fp32", "bf16"
         if name not in dtypes:
             continue
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-        out[f"matmul_gflops_{name}"] = 2 * m * k * n / median_time(lambda a=a, b=b: a @ b, repeats, 0.2) / 1e9
+        seconds = median_time(lambda a=a, b=b: a @ b, repeats, 0.2, clock=clock)
+        out[f"matmul_gflops_{name}"] = 2 * m * k * n / seconds / 1e9
     x = torch.ones(128 * 2**20 // 4)  # 128 MiB: far larger than the caches, like a decode step's weights
-    out["mem_read_gbs"] = x.numel() * 4 / median_time(x.sum, repeats, 0.2) / 1e9
+    out["mem_read_gbs"] = x.numel() * 4 / median_time(x.sum, repeats, 0.2, clock=clock) / 1e9
     return out
 
 
@@ -92,7 +97,7 @@ def measure_rollout(engine, prompt: list[int], prompts: int, group: int, new_tok
     return prompts * group * new_tokens / seconds
 
 
-def matmul_ceiling(engine, rows: int, repeats: int) -> float:
+def matmul_ceiling(engine, rows: int, repeats: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """Tokens/s of a decode step's matmuls alone at ``rows`` rows (every layer's fused weights and the head,
     bf16 or float32, as the fused path runs them, on random inputs): the rate the decode path would reach if
     nothing but its matmuls took time."""
@@ -110,7 +115,7 @@ def matmul_ceiling(engine, rows: int, repeats: int) -> float:
             dec.linear(x_i, layer.down)
         dec.linear(x_h, dec.head_low if dec.head_low is not None else dec.head_weight)
 
-    return rows / median_time(step, repeats, 0.5)
+    return rows / median_time(step, repeats, 0.5, clock=clock)
 
 
 def rollout_trajectories(engine, prompt: list[int], prompts: int, group: int, new_tokens: int) -> list:

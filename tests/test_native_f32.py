@@ -293,6 +293,34 @@ def test_bf16_weights_widened_stay_within_bf16_rounding_of_the_float32_model(ops
     assert (logits - exact).abs().max() < 0.05
 
 
+@pytest.mark.parametrize("weight_dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+def test_an_untied_head_and_qkv_biases_on_the_float32_kernels(ops, weight_dtype, tolerance):
+    """Qwen2: q/k/v biases, a head of its own and an embedding table of its own (shared in float32, a bf16 copy
+    with bf16 weights)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    for layer in model.model.layers:  # biases start at zero: make them count
+        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(proj.bias, std=0.5)
+    dec = LlamaDecoder(model, model.get_output_embeddings().weight.detach(), torch.float32, weight_dtype=weight_dtype)
+    assert dec.native and dec.embed.dtype == weight_dtype
+    assert (dec.embed.data_ptr() == model.get_input_embeddings().weight.data_ptr()) == dec.shares_weights
+    ids, mask = torch.tensor([[2, 2, 11, 12, 13], [14, 15, 16, 17, 18]]), torch.tensor([[0, 0, 1, 1, 1], [1] * 5])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    first, kv = dec.prefill(ids, mask, positions)
+    full_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    second = dec.decode(torch.tensor([19, 20]), full_mask, positions[:, -1] + 1, kv)
+    with torch.no_grad():
+        full = torch.cat([ids, torch.tensor([[19], [20]])], 1)
+        want = model(input_ids=full, attention_mask=full_mask,
+                     position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()[:, -2:]
+    assert (torch.stack([first, second], 1) - want).abs().max() < tolerance
+
+
 def test_bf16_weights_without_native_bf16_take_the_widened_path(ops, tiny, monkeypatch):
     from polyrl.engines import llama_decode
 

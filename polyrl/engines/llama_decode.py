@@ -218,8 +218,8 @@ class LlamaDecoder:
         self.head_low = self._matmul_weight(head_weight) if self.exact_top else None
 
     def _copy(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` in ``dtype``: the policy's own tensor when weights are shared, else our own copy."""
-        return weight.detach() if self.shares_weights else weight.detach().to(self.dtype).clone()
+        """``weight`` in ``weight_dtype``: the policy's own tensor when weights are shared, else our own copy."""
+        return weight.detach() if self.shares_weights else weight.detach().to(self.weight_dtype).clone()
 
     def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """Our own copy of ``weight`` in ``weight_dtype``, prepacked when packing is on."""
