@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.config import engines_of
-from polyrl.models.loading import SMOLLM2_ALIAS, TINY_ALIAS, cache_dir, resolve_model_path
+from polyrl.models.loading import SMOLLM2_ALIAS, TINY_ALIAS, ModelNotFoundError, cache_dir, resolve_model_path
 from polyrl.waits import WaitTimeoutError
 
 CONNECT_TIMEOUT_S = 10.0
@@ -147,7 +147,10 @@ def model_parameters(name: str) -> int | None:
     first (the bundled model before its first load) or the model is the tiny test one."""
     if name == TINY_ALIAS:
         return None
-    model_dir = cache_dir() / SMOLLM2_ALIAS if name == SMOLLM2_ALIAS else resolve_model_path(name)
+    try:
+        model_dir = cache_dir() / SMOLLM2_ALIAS if name == SMOLLM2_ALIAS else resolve_model_path(name)
+    except ModelNotFoundError:  # loading the model says so, with its own exit code
+        return None
     return checkpoint_parameters(model_dir) if model_dir.is_dir() else None
 
 

@@ -105,6 +105,7 @@ def test_the_parameter_count_comes_from_the_checkpoint_headers(tmp_path):
     assert placement.checkpoint_parameters(tmp_path / "nowhere") is None
     assert placement.model_parameters("tiny-random") is None
     assert placement.model_parameters(str(tmp_path)) == placement.checkpoint_parameters(tmp_path)
+    assert placement.model_parameters(str(tmp_path / "nope")) is None  # the model's loading names it
 
 
 def test_ranks_and_workers_a_machine_has_no_memory_for_are_refused_before_the_model_loads(monkeypatch):

@@ -82,6 +82,7 @@ def test_a_partial_rollout_spans_versions_with_each_tokens_own_logprob(tmp_path)
                 for p in run.model.parameters():
                     p.add_(torch.randn_like(p) * 0.05)
             states[version] = {k: v.clone() for k, v in run.model.state_dict().items()}
+            engine.sync()  # the new weights into the engine, as the async runtime's refresh does
         return version
 
     task = run.tasks["chain_sum"]
