@@ -171,7 +171,7 @@ def learner_configs():
 
 
 def count_decoder_passes() -> list[bool]:
-    """Wrap the decoder call the learner's forward pass makes (``train/forward_pass.decoder_forward``, one
+    """Wrap the decoder call the learner's forward pass makes (``learner/forward_pass.decoder_forward``, one
     autocast region each) so each call is recorded (True: with gradients); returns the record."""
     import polyrl.learner.forward_pass as fp
 

@@ -53,7 +53,7 @@ def _sharded(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 class _PolicyAndCritic(torch.nn.Module):
-    """Like the learner's FSDP root (train/policy_pass.PolicyPass): the policy under a name, and a critic."""
+    """Like the learner's FSDP root (learner/policy_pass.PolicyPass): the policy under a name, and a critic."""
 
     def __init__(self) -> None:
         from polyrl.config import LoraConfig

@@ -230,7 +230,7 @@ def load_sharded(
     """
     path = Path(path)
     if not is_sharded(path):
-        raise ValueError(f"{path}: not a sharded checkpoint (no {META}); train/checkpoint.load_checkpoint reads it")
+        raise ValueError(f"{path}: not a sharded checkpoint (no {META}); checkpoint/store.load_checkpoint reads it")
     meta = json.loads((path / META).read_text())
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: format {meta.get('format')!r}, this code reads {FORMAT}")

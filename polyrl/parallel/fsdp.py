@@ -2,7 +2,7 @@
 weights gathered back for an engine or an evaluation.
 
 Each decoder layer is its own FSDP unit (its weights are gathered just before it runs and freed after), and the
-learner's pass (``train/policy_pass.PolicyPass``) is the root unit holding the rest: embeddings, the tied
+learner's pass (``learner/policy_pass.PolicyPass``) is the root unit holding the rest: embeddings, the tied
 output head, the final norm, the critic. Parameters, gradients and optimizer state stay float32 (bf16 compute
 is autocast, as in one process), so the sharded update computes what one process computes.
 """
