@@ -19,6 +19,10 @@ measured again after the rollouts and both are kept.
 With ``--threads 1`` every time is the process's CPU time: on a machine shared with other jobs, wall times of
 two threads mostly measure how often a thread waits for the other one to be scheduled again.
 
+Part ``precision``: in the capped process, each float32-learner engine's behaviour log-probs against the
+learner's own (float32) on 4 chain_sum prompts x 8 samples: mean, 99th percentile and maximum |difference|
+(what the mismatch metrics and the importance-sampling correction see).
+
 Part ``quickstart``: ``polyrl train configs/quickstart.yaml model.bf16=false engine.bf16_weights=false`` with
 the caps, ``--steps`` steps (no evaluation, no time cap), median step time; runs of the code before
 (``--before-tree``: a checkout of the commit before, e.g. ``git archive``; else ``engine.fast_decode=false`` in
@@ -179,6 +183,60 @@ def decode_key(args) -> str:
     return f"decode_{args.threads}_threads" if args.threads else "decode"
 
 
+# ------------------------------------------------------------------------------------------- precision part
+
+
+def precision_worker() -> dict:
+    """In the capped process: each float32-learner engine's behaviour log-probs against the learner's own
+    (float32, no autocast: ``model.bf16=false``) on 4 chain_sum prompts x 8 samples of up to 48 tokens."""
+    import reasoning_gym
+    import torch
+
+    from polyrl.engines.hf import HFEngine
+    from polyrl.models.forward import forward_logits
+    from polyrl.models.loading import load_model, load_tokenizer
+
+    tok, model = load_tokenizer("smollm2-135m-instruct"), load_model("smollm2-135m-instruct", None, seed=0)
+    data = reasoning_gym.create_dataset("chain_sum", size=4, seed=5, min_terms=2, max_terms=3, max_digits=2)
+    prompts = []
+    for item in data:
+        ids = tok.apply_chat_template([{"role": "user", "content": item["question"] + " Answer with just the number."}],
+                                      add_generation_prompt=True)
+        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+
+    def learner_logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logits, _ = forward_logits(model, ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None],
+                                       len(tokens) + 1, bf16=False)
+        return torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+    engines = {
+        "before (transformers model, float32)": HFEngine(model, tok, bf16=False, bf16_weights=False, fast_decode=False),
+        "now (fused, float32 kernels, the policy's weights)": HFEngine(model, tok, bf16=False, bf16_weights=False),
+        "now, engine.bf16_weights=true (bf16 copy widened)": HFEngine(model, tok, bf16=False, bf16_weights=True),
+    }
+    results = {}
+    for label, engine in engines.items():
+        groups = engine.generate(prompts, n=8, max_new_tokens=48, temperature=1.0, seed=7)
+        gaps = torch.cat([(torch.tensor(c.logprobs) - learner_logprobs(p, c.token_ids)).abs()
+                          for p, group in zip(prompts, groups, strict=True) for c in group])
+        results[label] = {"tokens": len(gaps), "mean": gaps.mean().item(), "p99": gaps.quantile(0.99).item(),
+                          "max": gaps.max().item()}
+        print(f"{label:<52} tokens {len(gaps):>4}  mean {gaps.mean():.2e}  p99 {gaps.quantile(0.99):.2e}  "
+              f"max {gaps.max():.2e}", flush=True)
+    return results
+
+
+def run_precision() -> dict:
+    res = subprocess.run([sys.executable, __file__, "--worker", "precision"], env={**os.environ, **CAPS}, cwd=ROOT,
+                         capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"precision worker failed: {res.stderr[-3000:]}")
+    print(res.stdout, end="", flush=True)
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 # ------------------------------------------------------------------------------------------ quickstart part
 
 
@@ -242,7 +300,7 @@ def run_quickstart(args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["decode", "quickstart", "all"], default="all")
+    ap.add_argument("--part", choices=["decode", "precision", "quickstart", "all"], default="all")
     ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--repeats", type=int, default=3, help="alternating rollout runs per width")
@@ -253,16 +311,20 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="also run the default bf16 quickstart (uncapped)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own); with 1, "
                     "decode times are the process's CPU time, robust to other jobs on the machine")
-    ap.add_argument("--worker", choices=list(PATHS), help=argparse.SUPPRESS)
+    ap.add_argument("--worker", choices=[*PATHS, "precision"], help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "avx2_path.json")
     args = ap.parse_args()
     if args.worker:  # inside a capped process: one JSON line last
-        print(json.dumps(decode_worker(args.worker, args.rows, args.repeats, args.threads)))
+        out = precision_worker() if args.worker == "precision" else decode_worker(args.worker, args.rows,
+                                                                                   args.repeats, args.threads)
+        print(json.dumps(out))
         return
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
     result["machine"] = machine()
     if args.part in ("decode", "all"):
         result[decode_key(args)] = run_decode(args)
+    if args.part in ("precision", "all"):
+        result["precision_float32_avx2"] = run_precision()
     if args.part in ("quickstart", "all"):
         result[f"quickstart_{args.threads}_threads" if args.threads else "quickstart"] = run_quickstart(args)
     result["machine"]["load_average_end"] = list(os.getloadavg())

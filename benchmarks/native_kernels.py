@@ -7,6 +7,14 @@ and 48 positions of each row's own). Part 2 samples SmolLM2 with the fused path 
 on, alternating in one process, at each width (exactly 64 new tokens per row, the roofline's setup).
 
     python benchmarks/native_kernels.py        # ~2 min; writes benchmarks/results/native_kernels.json
+
+With ``--dtype float32`` part 1 times the float32 kernels (the path of a CPU without native bf16; run it under
+``ATEN_CPU_CAPABILITY=avx2`` to time the AVX2 build) against the same torch operations in float32, and the
+native ``linear`` against ``F.linear`` on the output head's shape; rollouts of that path are in
+benchmarks/avx2_path.py, so part 2 is skipped.
+
+    ATEN_CPU_CAPABILITY=avx2 python benchmarks/native_kernels.py --dtype float32 \
+        --out benchmarks/results/native_kernels_float32_avx2.json
 """
 
 from __future__ import annotations
@@ -39,26 +47,26 @@ def best_of(fn, repeats: int = 5, calls: int = 20) -> float:
     return statistics.median(times)
 
 
-def kernels(rows: int) -> dict[str, dict[str, float]]:
+def kernels(rows: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, dict[str, float]]:
+    """Microseconds per call of each kernel and its torch counterpart, in ``dtype`` (bfloat16 or float32)."""
     from polyrl.engines import native
     from polyrl.engines.decode_kv import KVBuffers, PromptSharedKV
     from polyrl.engines.hf import sample_tokens
-    from polyrl.engines.llama_decode import rescore_top, rms_norm, rotate_half
+    from polyrl.engines.llama_decode import native_linear, rescore_top, rms_norm, rotate_half
 
     ops = native.ops()
-    bf = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
-    x, delta, w = (torch.randn(s, generator=gen).to(bf) for s in ((rows, HIDDEN), (rows, HIDDEN), (HIDDEN,)))
+    x, delta, w = (torch.randn(s, generator=gen).to(dtype) for s in ((rows, HIDDEN), (rows, HIDDEN), (HIDDEN,)))
     out = {}
     out["residual add + RMSNorm"] = {
         "torch_us": best_of(lambda: rms_norm(x + delta, w, 1e-5)),
         "native_us": best_of(lambda: ops.add_rms_norm(x.clone(), delta, w, 1e-5)),
     }
-    qkv = torch.randn((rows, (HEADS + 2 * KV_HEADS) * D), generator=gen).to(bf)
-    cos, sin = (torch.randn((rows, 1, D), generator=gen).to(bf) for _ in range(2))
-    kv_torch = KVBuffers(1, rows, KV_HEADS, 99, D, bf)
+    qkv = torch.randn((rows, (HEADS + 2 * KV_HEADS) * D), generator=gen).to(dtype)
+    cos, sin = (torch.randn((rows, 1, D), generator=gen).to(dtype) for _ in range(2))
+    kv_torch = KVBuffers(1, rows, KV_HEADS, 99, D, dtype)  # float32 keys, as the torch path keeps them
     kv_torch.length = 99
-    shared = PromptSharedKV(1, torch.ones((max(rows // 8, 1), 52), dtype=torch.long), KV_HEADS, D, bf)
+    shared = PromptSharedKV(1, torch.ones((max(rows // 8, 1), 52), dtype=torch.long), KV_HEADS, D, dtype)
     shared.batch_repeat_interleave(rows // max(rows // 8, 1))
     shared.own.reserve(48)
     shared.own.length = 47
@@ -82,23 +90,30 @@ def kernels(rows: int) -> dict[str, dict[str, float]]:
                                                    shared.prefix_bias, shared.row_prompt, shared.own.keys[0],
                                                    shared.own.values[0], None, 48, D**-0.5, HEADS, KV_HEADS)),
     }
-    gate_up = torch.randn((rows, 2 * INNER), generator=gen).to(bf)
+    gate_up = torch.randn((rows, 2 * INNER), generator=gen).to(dtype)
     out["SiLU-and-multiply"] = {
         "torch_us": best_of(lambda: (lambda g, u: F.silu(g) * u)(*gate_up.chunk(2, dim=-1))),
         "native_us": best_of(lambda: ops.silu_mul(gate_up)),
     }
     head = torch.randn((VOCAB, HIDDEN), generator=gen) * 0.05
-    hidden = torch.randn((rows, HIDDEN), generator=gen).to(bf)
-    low = (hidden.float() @ head.T).to(bf)
+    hidden = torch.randn((rows, HIDDEN), generator=gen).to(dtype)
+    if dtype == torch.float32:  # the whole head in float32: the native linear against F.linear
+        out["output head matmul (576 -> 49152)"] = {
+            "torch_us": best_of(lambda: F.linear(hidden, head), calls=5),
+            "native_us": best_of(lambda: native_linear(hidden, head), calls=5),
+        }
+        logits = hidden @ head.T
+    else:
+        low = (hidden.float() @ head.T).to(dtype)
 
-    def torch_rescore():
-        return rescore_top(low, hidden, head, 32)
+        def torch_rescore():
+            return rescore_top(low, hidden, head, 32)
 
-    out["rescored head (after its bf16 matmul)"] = {
-        "torch_us": best_of(torch_rescore, calls=5),
-        "native_us": best_of(lambda: ops.rescore_head(low, hidden, head, 32), calls=5),
-    }
-    logits = torch_rescore()
+        out["rescored head (after its bf16 matmul)"] = {
+            "torch_us": best_of(torch_rescore, calls=5),
+            "native_us": best_of(lambda: ops.rescore_head(low, hidden, head, 32), calls=5),
+        }
+        logits = torch_rescore()
     out["sampling"] = {
         "torch_us": best_of(lambda: sample_tokens(logits, 1.0, 1.0, gen), calls=5),
         "native_us": best_of(lambda: sample_tokens(logits, 1.0, 1.0, gen, native_kernel=True), calls=5),
@@ -130,8 +145,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--repeats", type=int, default=3, help="alternating rollout runs per width")
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "native_kernels.json")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     from polyrl.engines import native
     from polyrl.train.glibc_malloc import keep_freed_memory
 
@@ -140,11 +157,13 @@ def main() -> None:
         raise SystemExit("the native kernels did not build on this machine (see the warning above)")
     per_kernel = {}
     for rows in args.rows:
-        per_kernel[rows] = kernels(rows)
+        per_kernel[rows] = kernels(rows, dtype)
         for name, t in per_kernel[rows].items():
             print(f"{rows:>4} rows  {name:<40} torch {t['torch_us']:8.1f} us   native {t['native_us']:8.1f} us",
                   flush=True)
-    result = {"threads": torch.get_num_threads(), "kernels_us": per_kernel, "rollout": rollout(args.rows, args.repeats)}
+    result = {"threads": torch.get_num_threads(), "dtype": args.dtype, "isa": native.ops().isa(),
+              "cpu_capability": torch.backends.cpu.get_cpu_capability(), "kernels_us": per_kernel,
+              "rollout": rollout(args.rows, args.repeats) if dtype == torch.bfloat16 else None}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
