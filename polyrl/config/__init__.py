@@ -106,7 +106,8 @@ class Config(_Strict):
     runtime: RuntimeConfig = RuntimeConfig()
     """Where rollouts and learning run: in one process, overlapped in two, or as Ray actors."""
     guidance: GuidanceConfig = GuidanceConfig()
-    """Reference replies in groups whose samples all fail (off unless ``guidance.reference``)."""
+    """Reference replies and hints for groups whose samples all fail (off unless ``guidance.reference`` or
+    ``guidance.hint_fraction``)."""
     monitors: MonitorsConfig = MonitorsConfig()
     """Reward-hacking monitors: flags in metrics, report and viewer; optionally zero flagged rewards."""
 
@@ -179,6 +180,9 @@ class Config(_Strict):
         if rt.weight_sync == "collective" and engines_of(self) != "disaggregated":
             raise ValueError("runtime.weight_sync: collective syncs disaggregated engines (runtime.kind: ray, "
                              "runtime.engines: disaggregated); colocated engines read the learner's weights")
+        if self.guidance.hint_fraction > 0 and engines_of(self) == "disaggregated":  # they get task names only
+            raise ValueError("guidance.hint_fraction: hinted prompts are rolled out where the step is drawn; "
+                             "disaggregated Ray workers rebuild each task by name; use colocated engines")
         if algo.dynamic_sampling and rollout.group_size < 2:
             raise ValueError(
                 "algorithm.dynamic_sampling: needs rollout.group_size >= 2 (a group of one never varies)"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from polyrl.config.base import _Strict
 from polyrl.config.sections import TaskConfig
@@ -44,7 +44,9 @@ class GuidanceConfig(_Strict):
     """Off-policy guidance for groups whose samples all fail (docs/guidance.md): such a group teaches a group
     baseline nothing, so the item's reference reply (``tasks[].reference``) takes its last sample's place, as
     LUFFY mixes reference solutions into its groups (Yan et al. 2025, "Learning to Reason under Off-Policy
-    Guidance"), only in all-fail groups as AMPO does, the help optionally annealed away as HAPO's is."""
+    Guidance"), only in all-fail groups as AMPO does, the help optionally annealed away as HAPO's is. Hints
+    (``hint_fraction``) sample such a group's item again with the start of that reply in its prompt, as GHPO
+    and QuestA do (Liu et al. 2025; Li et al. 2025)."""
 
     reference: bool = False
     """Mix the reference reply into all-fail groups."""
@@ -58,6 +60,25 @@ class GuidanceConfig(_Strict):
     of probability near gamma and fades for tokens the policy finds far less likely (docs/guidance.md)."""
     success_score: float = 1.0
     """A sample succeeds when its score (info.score) reaches this; a group without one is all-fail."""
+    hint_fraction: float = Field(0.0, ge=0, lt=1)
+    """Hints: an all-fail group's item is sampled again as a new group, its prompt given this share of the
+    reference reply's characters (a reply of several words cut back to a whole word); 0 is off."""
+    hint_anneal_steps: int = Field(0, ge=0)
+    """The hint fraction falls linearly to 0 over this many steps (0: it stays)."""
+    hint_template: str = "\n\nHint: a correct reply begins with: {hint}"
+    """Appended to the last user message of a hinted prompt; ``{hint}`` is the revealed start of the reply."""
+
+    @field_validator("hint_template")
+    @classmethod
+    def _check_hint_template(cls, template: str) -> str:
+        try:
+            filled = template.format(hint="\0")
+        except (KeyError, IndexError, ValueError) as exc:  # another field, or a stray brace
+            raise ValueError(f"guidance.hint_template: not a template whose one field is {{hint}} "
+                             f"({type(exc).__name__}: {exc}); write a literal brace as {{{{ or }}}}") from None
+        if filled.count("\0") != 1:
+            raise ValueError("guidance.hint_template: must contain the {hint} field exactly once")
+        return template
 
 
 class StepCreditConfig(_Strict):

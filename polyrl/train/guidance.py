@@ -7,7 +7,8 @@ scores it a success it takes the place of the group's last sample, marked ``guid
 are then computed over the mix, as LUFFY's are (Yan et al. 2025), and the learner trains the reference's
 tokens with the shaped objective of ``polyrl.algorithms.guidance``, their log-probs its own.
 A reference the env does not score a success is never mixed in: the policy is taught only what the task
-rewards.
+rewards. Hints (the item sampled again with the start of its reference in the prompt) run before the mixing,
+in ``polyrl.train.hints``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,17 @@ from polyrl.envs.base import Task
 from polyrl.rollout.multi_turn import start_episode, to_trajectory
 from polyrl.train.demonstrations import env_demonstration, play_replies
 from polyrl.types import Trajectory
+
+
+def all_fail_groups(trajectories: list[Trajectory], success_score: float) -> dict[int, list[int]]:
+    """Group id -> its rows, for each group in which no sample's score (``info.score``, else its reward)
+    reaches ``success_score``; in the order the groups first appear."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(trajectories):
+        groups[t.group_id].append(i)
+    return {gid: rows for gid, rows in groups.items()
+            if not any(float(trajectories[i].info.get("score", trajectories[i].reward)) >= success_score
+                       for i in rows)}
 
 
 class Guidance:
@@ -44,15 +56,11 @@ class Guidance:
         ``guidance/all_fail_groups``, ``guidance/guided`` and ``guidance/unusable``
         (groups whose item had no reference, or one the env did not score a success, or longer than a
         rollout may be)."""
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, t in enumerate(trajectories):
-            groups[t.group_id].append(i)
-        p, all_fail, unusable, guided = self.probability(step), 0, 0, []
-        for gid, rows in groups.items():
-            if any(float(trajectories[i].info.get("score", trajectories[i].reward)) >= self.config.success_score
-                   for i in rows):
-                continue
-            all_fail += 1
+        failing = all_fail_groups(trajectories, self.config.success_score)
+        # With only hints on (reference off), all-fail groups are still counted, none gets a reference.
+        p = self.probability(step) if self.config.reference else 0.0
+        unusable, guided = 0, []
+        for gid, rows in failing.items():
             if random.Random(f"guidance-{self.seed}-{step}-{gid}").random() >= p:
                 continue
             task, index, item = requests[gid]
@@ -63,7 +71,7 @@ class Guidance:
             reference.group_id, reference.guided = gid, True
             trajectories[rows[-1]] = reference
             guided.append(reference)
-        metrics = {"guidance/all_fail_groups": float(all_fail),
+        metrics = {"guidance/all_fail_groups": float(len(failing)),
                    "guidance/guided": float(len(guided)), "guidance/unusable": float(unusable)}
         return guided, metrics
 
