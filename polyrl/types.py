@@ -37,6 +37,9 @@ class Trajectory:
     guided: bool = False
     """A reference reply the policy did not sample (``guidance``): its log-probs are the current policy's,
     and the loss treats its tokens as off-policy."""
+    hinted: bool = False
+    """Sampled from a prompt given the start of the reference reply (``guidance.hint_fraction``): trained as
+    any sample, left out of rewards and pass rates (the hint, not the policy alone, earned them)."""
     info: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -260,6 +260,21 @@ class CrossPolicyConfig(_Strict):
     """Truncated importance sampling: the weight pi/mu on its tokens is capped here."""
 
 
+class PromptSelectionConfig(_Strict):
+    """Prompt selection by predicted pass rate (MoPPS, Qu et al. 2025; docs/guidance.md): each sampling round
+    draws ``candidates`` times the prompts it needs and keeps those whose Thompson-sampled pass rate, from a
+    Beta posterior per item, is closest to ``target``; the same samples per step."""
+
+    candidates: int = Field(4, ge=1)
+    """Prompts drawn per prompt kept; 1 keeps every draw (estimates are still kept)."""
+    target: float = Field(0.5, ge=0, le=1)
+    """The pass rate sought: 0.5 is the one whose groups most often hold a success and a failure."""
+    decay: float = Field(0.5, ge=0, le=1)
+    """How much of an item's earlier evidence each new group keeps (1: all of it; the policy moves on)."""
+    success_score: float = 1.0
+    """A sample counts as a success when its score (info.score) reaches this."""
+
+
 class RolloutConfig(_Strict):
     prompts_per_step: int = Field(2, gt=0)
     group_size: int = Field(8, gt=0)
@@ -269,6 +284,8 @@ class RolloutConfig(_Strict):
     cross_policy: CrossPolicyConfig | None = None
     """Sample a share of the groups from another policy, corrected by truncated importance weights; unset
     is off."""
+    prompt_selection: PromptSelectionConfig | None = None
+    """Draw more prompts than needed and keep those predicted to give mixed groups (MoPPS); unset is off."""
 
 
 class RewardGateConfig(_Strict):

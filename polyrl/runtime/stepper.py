@@ -24,12 +24,13 @@ class Stepper(Protocol):
 
 def producer_state(run: Any) -> dict[str, Any]:
     """What the producing half carries from one step to the next, which a resumed run must get back: the task
-    sampler's draws, the replay buffers (``agents``) and the curriculum (``multitask``). A producer that runs
-    ahead of the learner sends it with each batch, so that a checkpoint keeps the state after the batch it
-    trained on, not after those drawn since."""
+    sampler's draws, the replay buffers (``agents``), the curriculum (``multitask``) and the prompt selector's
+    pass-rate estimates (``selection``). A producer that runs ahead of the learner sends it with each batch, so
+    that a checkpoint keeps the state after the batch it trained on, not after those drawn since."""
     curriculum = {"curriculum": run.curriculum.state_dict()} if run.curriculum is not None else {}
+    selection = {"selection": run.selection.state_dict()} if run.selection is not None else {}
     return copy.deepcopy({"sampler": run.sampler.state_dict(), "agents": run.replay.state_dict(),
-                          "multitask": curriculum})
+                          "multitask": curriculum, **selection})
 
 
 def load_producer_state(run: Any, state: dict[str, Any]) -> None:
@@ -37,6 +38,8 @@ def load_producer_state(run: Any, state: dict[str, Any]) -> None:
     run.replay.load_state_dict(state.get("agents", {}))
     if run.curriculum is not None and "curriculum" in state.get("multitask", {}):
         run.curriculum.load_state_dict(state["multitask"]["curriculum"])
+    if run.selection is not None and "selection" in state:
+        run.selection.load_state_dict(state["selection"])
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:

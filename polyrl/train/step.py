@@ -21,6 +21,7 @@ from polyrl.checkpoint import faults
 from polyrl.config import Config
 from polyrl.data.dynamic_sampling import Sampled, dynamic_sample
 from polyrl.data.sampler import TaskSampler
+from polyrl.data.selection import PromptSelector, item_key
 from polyrl.engines import make_engine
 from polyrl.engines.hf import HFEngine
 from polyrl.engines.protocol import Engine
@@ -41,6 +42,7 @@ from polyrl.rollout.policy_chat import EnginePolicy
 from polyrl.train.agents import GroupRollout, Replay, Requests, add_metrics, episode_metrics
 from polyrl.train.glibc_malloc import give_back_freed_memory, keep_freed_memory, memory_budget, trim_above
 from polyrl.train.guidance import Guidance
+from polyrl.train.hints import add_hints
 from polyrl.train.multitask import CrossPolicy, build_curriculum, level_task, observe_curriculum, set_mixture
 from polyrl.train.teachers import load_teachers
 from polyrl.types import Trajectory
@@ -80,7 +82,9 @@ class Run:
     monitor: RewardMonitor | None = None
     """Reward-hacking monitors (``monitors``), when on and some task has checks."""
     guidance: Guidance | None = None
-    """Reference replies in all-fail groups (``guidance``), when on."""
+    """Hints and reference replies for all-fail groups (``guidance``), when either is on."""
+    selection: PromptSelector | None = None
+    """Prompt selection by predicted pass rate (``rollout.prompt_selection``); checkpointed."""
     memory_budget: int | None = None
     """Bytes of resident memory above which freed memory is given back after an update (``runtime``)."""
 
@@ -130,7 +134,9 @@ def build_run(config: Config, run_dir: Path) -> Run:
         cross_policy=CrossPolicy(config, tokenizer) if cross is not None and cross.share > 0 else None,
         monitor=monitor if config.monitors.enabled and monitor.active else None,
         guidance=Guidance(config.guidance, tokenizer, config.rollout.max_new_tokens, config.train.seed)
-        if config.guidance.reference else None,
+        if config.guidance.reference or config.guidance.hint_fraction > 0 else None,
+        selection=PromptSelector(select.candidates, select.target, select.decay, config.train.seed)
+        if (select := config.rollout.prompt_selection) is not None else None,
         memory_budget=memory_budget(config.runtime.memory_budget_gb),
     )
 
@@ -202,15 +208,16 @@ def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: R
 
 
 def policy_samples(trajectories: list[Trajectory]) -> list[Trajectory]:
-    """What a policy sampled: reference replies mixed in by guidance left out of rewards and pass rates."""
-    return [t for t in trajectories if not t.guided]
+    """What a policy sampled from its prompts: guidance's reference replies and hinted samples left out of
+    rewards and pass rates."""
+    return [t for t in trajectories if not t.guided and not t.hinted]
 
 
 def sample_and_score(run: Run, step: int, version: int, rollout_fn: RolloutFn, round_metrics: dict[str, float],
                      round_index: int, n_prompts: int, first_id: int) -> list[Trajectory]:
     """One sampling round of a step: ``n_prompts`` groups drawn, rolled out and scored, numbered from
     ``first_id``; the round's counts are added to ``round_metrics``."""
-    requests = draw_requests(run, step, n_prompts, round_index)
+    requests = draw_requests(run, step, n_prompts, round_index, round_metrics)
     # Round 0 keeps the step's seed; extra dynamic-sampling rounds need fresh samples, so fresh seeds.
     seed = run.config.train.seed * 1_000_003 + step + round_index * 1_000_000_007
     own, other = run.cross_policy.split(requests) if run.cross_policy is not None else (requests, [])
@@ -218,26 +225,55 @@ def sample_and_score(run: Run, step: int, version: int, rollout_fn: RolloutFn, r
     if other:  # rollout.cross_policy: the round's last groups sampled by another policy
         trajectories += run.cross_policy.roll_out(run.group_rollout, other, seed, version, first_id + len(own))
     add_metrics(round_metrics, run.group_rollout.take_metrics())  # agent episodes: drops, merged calls
-    # weighted reward components (env, judge, rules)
-    run.reward_mixer.apply(trajectories, {first_id + g: item for g, (_, _, item) in enumerate(requests)})
-    if run.monitor is not None:  # reward-hacking flags; zeroes flagged rewards if asked, before replay sees them
-        run.monitor.flag(trajectories)
+    score_groups(run, trajectories, requests, first_id)
+    if run.selection is not None:  # pass-rate estimates, from the policy's own samples (before any mixing in)
+        observe_selection(run, requests, trajectories, first_id)
     add_metrics(round_metrics, run.replay.mix_in(trajectories, step))  # successes into all-fail groups
-    if run.guidance is not None:  # reference replies into the groups still all-fail
+    if run.guidance is not None:  # hinted re-samples of the groups still all-fail, then reference replies
         by_group = {first_id + g: request for g, request in enumerate(requests)}
+
+        def roll(hinted: Requests, hint_seed: int, first: int) -> list[Trajectory]:  # scored as the round is
+            return score_groups(run, rollout_fn(hinted, hint_seed, version, first), hinted, first)
+
+        add_metrics(round_metrics, add_hints(run.guidance, trajectories, by_group, step, seed, roll))
         guided, counts = run.guidance.mix_in(trajectories, by_group, step)
         run.reward_mixer.apply(guided, {gid: item for gid, (_, _, item) in by_group.items()})
         add_metrics(round_metrics, counts)
     return trajectories
 
 
-def draw_requests(run: Run, step: int, n: int, round_index: int) -> Requests:
+def score_groups(run: Run, trajectories: list[Trajectory], requests: Requests, first_id: int) -> list[Trajectory]:
+    """Weighted reward components (env, judge, rules) of groups numbered from ``first_id``, then the
+    reward-hacking flags (which zero flagged rewards if asked, before replay sees them); in place."""
+    run.reward_mixer.apply(trajectories, {first_id + g: item for g, (_, _, item) in enumerate(requests)})
+    if run.monitor is not None:
+        run.monitor.flag(trajectories)
+    return trajectories
+
+
+def draw_requests(run: Run, step: int, n: int, round_index: int, round_metrics: dict[str, float]) -> Requests:
     """A round's ``n`` (task, item index, item) requests: drawn from the curriculum's mixture (or the
-    configured one), prompt replay's share among items already seen, each task at its curriculum level."""
+    configured one), prompt replay's share among items already seen, each task at its curriculum level; with
+    prompt selection, ``candidates`` times as many drawn and those predicted to give mixed groups kept."""
     set_mixture(run.curriculum, run.sampler, step)
-    draws = run.replay.draw(run.sampler, step, n, round_index)
+    pool = n if run.selection is None else n * run.selection.candidates
+    draws = run.replay.draw(run.sampler, step, pool, round_index)
     tasks = [level_task(run.curriculum, d.task, run.tasks[d.task]) for d in draws]
-    return [(task, d.index, task.train_item(d.index)) for task, d in zip(tasks, draws, strict=True)]
+    requests = [(task, d.index, task.train_item(d.index)) for task, d in zip(tasks, draws, strict=True)]
+    if run.selection is None:
+        return requests
+    chosen, counts = run.selection.select(requests, n, step, round_index, run.config.rollout.group_size)
+    add_metrics(round_metrics, counts)
+    return chosen
+
+
+def observe_selection(run: Run, requests: Requests, trajectories: list[Trajectory], first_id: int) -> None:
+    """Each group's successes and samples into its item's pass-rate estimate."""
+    score = run.config.rollout.prompt_selection.success_score
+    for g, (task, _, item) in enumerate(requests):
+        group = [t for t in trajectories if t.group_id == first_id + g]
+        wins = sum(float(t.info.get("score", t.reward)) >= score for t in group)
+        run.selection.observe(item_key(task.name, item), wins, len(group))
 
 
 def learn_batch(run: Run, batch: ScoredBatch) -> tuple[dict[str, float], float]:
