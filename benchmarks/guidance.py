@@ -39,6 +39,12 @@ ARMS = {
     "guided-unshaped": ["guidance.reference=true", "guidance.shaping_gamma=null"],
     "guided-unshaped-anneal": ["guidance.reference=true", "guidance.shaping_gamma=null",
                                "guidance.anneal_steps=60"],
+    "guided-selected": ["guidance.reference=true", "guidance.shaping_gamma=null",
+                        "rollout.prompt_selection.candidates=4"],
+    "selected": ["guidance.reference=false", "rollout.prompt_selection.candidates=4"],
+    "guided-hinted": ["guidance.reference=true", "guidance.shaping_gamma=null", "guidance.hint_fraction=0.5"],
+    "guided-hinted-selected": ["guidance.reference=true", "guidance.shaping_gamma=null",
+                               "guidance.hint_fraction=0.5", "rollout.prompt_selection.candidates=4"],
 }
 TASKS = ["products", "largest_island", "aiw"]
 
