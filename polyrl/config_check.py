@@ -12,7 +12,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from polyrl.algorithms.validate import check_algorithm
-from polyrl.config import AlgorithmConfig, Config, ConfigError, parse_config
+from polyrl.config import AlgorithmConfig, Config, ConfigError, merge_algorithm, parse_config
 from polyrl.envs.base import check_task
 
 
@@ -98,7 +98,8 @@ def check_names(config: Config) -> None:
     for i, stage in enumerate(config.stages):
         if stage.algorithm:  # the structure was validated with the config; here the names it picks
             try:
-                check_algorithm(AlgorithmConfig.model_validate({**config.algorithm.model_dump(), **stage.algorithm}))
+                merged = merge_algorithm(config.algorithm.model_dump(), stage.algorithm)
+                check_algorithm(AlgorithmConfig.model_validate(merged))
             except ValueError as exc:
                 raise ValueError(f"stages.{i}.algorithm: {exc}") from None
     for i, task in enumerate(config.tasks):

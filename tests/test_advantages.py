@@ -98,7 +98,7 @@ def test_gdpo_reads_the_trajectories_reward_components():
     ts = fake_trajectories()
     for t, (c, f) in zip(ts, [(1.0, 0.0), (0.0, 1.0), (0.0, 0.0), (0.0, 1.0)], strict=True):
         t.rewards, t.reward = {"correct": c, "format": f}, c + f
-    assign_advantages(ts, AlgorithmConfig(advantage="gdpo", advantage_kwargs={"eps": 0.0, "batch_norm": False}),
+    assign_advantages(ts, AlgorithmConfig(advantage={"estimator": "gdpo", "kwargs": {"eps": 0.0, "batch_norm": False}}),
                       AgentsConfig())
     a = math.sqrt(3) / 2
     close(torch.tensor([t.advantage for t in ts]), [1.5 - a, -0.5 + a, -0.5 - a, -0.5 + a], tol=1e-5)
@@ -203,7 +203,7 @@ def test_kl_in_reward_is_a_reward_to_go():
 
 
 def test_learner_turns_rewards_into_gae_advantages_and_trains_the_critic():
-    learner = make_learner(critic={"lr": 1e-2, "lam": 0.95, "gamma": 1.0}, track_kl=False)
+    learner = make_learner(critic={"lr": 1e-2, "lam": 0.95, "gamma": 1.0}, regularisers={"track_kl": False})
     ts = fake_trajectories()  # rewards [0, 1, 0, 1], 3 response tokens each
     batch = collate(ts, pad_id=2)
     rewards = torch.tensor([t.reward for t in ts])
@@ -228,16 +228,16 @@ def test_learner_turns_rewards_into_gae_advantages_and_trains_the_critic():
 
 def test_the_critic_is_part_of_the_learner_state():
     # checkpoints store learner.state_dict(): a resumed PPO run must get its trained value head back
-    trained = make_learner(critic={"lr": 1e-2}, track_kl=False)
+    trained = make_learner(critic={"lr": 1e-2}, regularisers={"track_kl": False})
     for _ in range(2):
         trained.update(fake_trajectories())
-    fresh = make_learner(critic={"lr": 1e-2}, track_kl=False)
+    fresh = make_learner(critic={"lr": 1e-2}, regularisers={"track_kl": False})
     h = torch.randn(2, 3, fresh.value_head.net[0].in_features)
     assert not torch.allclose(fresh.value_head(h), trained.value_head(h))
     fresh.load_state_dict(trained.state_dict())
     assert torch.equal(fresh.value_head(h), trained.value_head(h))
     with pytest.raises(ValueError, match="no value head"):
-        fresh.load_state_dict(make_learner(track_kl=False).state_dict())
+        fresh.load_state_dict(make_learner(regularisers={"track_kl": False}).state_dict())
 
 
 def test_gated_shaping_pays_only_solved_episodes():
@@ -253,8 +253,8 @@ def test_gated_shaping_pays_only_solved_episodes():
     assert [t.reward for t in ts] == pytest.approx([0.8, -0.1, 0.0])
     assert ts[1].rewards == {"env": 0.0, "judge": 0.0, "overlong": -0.1}
     assert m["reward/gated_frac"] == pytest.approx(1 / 3)  # the third had nothing positive to withhold
-    with pytest.raises(ValueError, match=r"algorithm.reward_gate.outcome: no reward component 'correct' in task 't' "
-                                         r"\(its components: env, judge, overlong\)"):
+    with pytest.raises(ValueError, match=r"algorithm.advantage.reward_gate.outcome: no reward component 'correct' in "
+                                         r"task 't' \(its components: env, judge, overlong\)"):
         gate_rewards(ts, outcome="correct", threshold=1.0)
 
 
@@ -265,7 +265,7 @@ def test_reward_gate_through_shape_rewards():
     ts = fake_trajectories(2)
     for t, (env, judge) in zip(ts, [(1.0, 0.4), (0.0, 0.4)], strict=True):
         t.rewards, t.reward = {"env": env, "judge": judge}, env + judge
-    algo = AlgorithmConfig(reward_gate={"outcome": "env", "threshold": 0.5, "gated": ["judge"]})
+    algo = AlgorithmConfig(advantage={"reward_gate": {"outcome": "env", "threshold": 0.5, "gated": ["judge"]}})
     # criteria as scored (before the gate), then the share of episodes whose shaping was withheld
     assert shape_rewards(ts, algo, max_new_tokens=64) == pytest.approx(
         {"reward/criterion/env": 0.5, "reward/criterion/judge": 0.4, "reward/gated_frac": 0.5})
@@ -277,12 +277,14 @@ def test_gating_on_a_reward_no_task_records_is_a_config_error():
     from polyrl.config_check import load_config
 
     with pytest.raises(ConfigError) as err:
-        load_config("configs/quickstart.yaml", ["algorithm.reward_gate={outcome: correct}"])
+        load_config("configs/quickstart.yaml", ["algorithm.advantage.reward_gate={outcome: correct}"])
     text = str(err.value)
-    assert "algorithm.reward_gate.outcome: task 'chain_sum' has no reward 'correct'; its rewards: chain_sum" in text
+    assert ("algorithm.advantage.reward_gate.outcome: task 'chain_sum' has no reward 'correct'; its rewards: "
+            "chain_sum") in text
     assert "\n" not in text
-    cfg = load_config("configs/quickstart.yaml", ["algorithm.reward_gate={outcome: chain_sum, threshold: 1.0}"])
-    assert cfg.algorithm.reward_gate.outcome == "chain_sum"
+    cfg = load_config("configs/quickstart.yaml",
+                      ["algorithm.advantage.reward_gate={outcome: chain_sum, threshold: 1.0}"])
+    assert cfg.algorithm.advantage.reward_gate.outcome == "chain_sum"
 
 
 def test_rubric_rule_criteria_names_and_per_criterion_means():

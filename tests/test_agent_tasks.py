@@ -254,13 +254,13 @@ def test_advantage_estimators_and_losses_load_by_module_attr(tmp_path, monkeypat
             """Rewards minus the batch mean, times scale."""
             return (rewards - rewards.mean()) * scale
     '''))
-    algo = {"advantage": "my_algos:centered", "advantage_kwargs": {"scale": 2.0}}
+    algo = {"advantage": {"estimator": "my_algos:centered", "kwargs": {"scale": 2.0}}}
     cfg = load_config(None, data={**TINY, "tasks": [{"name": "chain_sum"}], "algorithm": algo})
     trajectories = [Trajectory("t", 0, 0, [1, 2], [0, 1], [0.0, -1.0], [-1, 0], reward=r) for r in (1.0, 0.0, 0.0)]
     assign_advantages(trajectories, cfg.algorithm, cfg.agents)
     assert [t.advantage for t in trajectories] == pytest.approx([4 / 3, -2 / 3, -2 / 3])  # 2 * (r - 1/3)
     for bad, message in (({"advantage": "my_algos:nope"}, "algorithm.advantage: 'my_algos' has no attribute 'nope'"),
                          ({"loss": "no_module:fn"}, "algorithm.loss: no module named 'no_module'"),
-                         ({"advantage_kwargs": {"bogus": 1}, "advantage": "my_algos:centered"}, "bogus")):
+                         ({"advantage": {"kwargs": {"bogus": 1}, "estimator": "my_algos:centered"}}, "bogus")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_config(None, data={**TINY, "tasks": [{"name": "chain_sum"}], "algorithm": bad})

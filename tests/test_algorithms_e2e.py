@@ -16,19 +16,20 @@ FAST = ["eval.before=false", "eval.after=false", "train.steps=1", "train.checkpo
 
 # Each advantage once and each loss at least once, with the options that go with them.
 CASES = {
-    "grpo+ppo_clip+dapo": ["algorithm.advantage=grpo", "algorithm.loss=ppo_clip", "algorithm.clip_high=0.28",
-                           "algorithm.dynamic_sampling=true", "algorithm.max_extra_rounds=1",
-                           "algorithm.overlong_buffer=4", "algorithm.mask_truncated=true"],
+    "grpo+ppo_clip+dapo": ["algorithm.advantage=grpo", "algorithm.loss=ppo_clip", "algorithm.loss.clip_high=0.28",
+                           "algorithm.sampling.dynamic=true", "algorithm.sampling.max_extra_rounds=1",
+                           "algorithm.shaping.overlong_buffer=4", "algorithm.loss.mask_truncated=true"],
     "dr_grpo+cispo": ["algorithm.advantage=dr_grpo", "algorithm.loss=cispo",
-                      "algorithm.loss_agg=seq-mean-token-sum"],
-    "rloo+gspo": ["algorithm.advantage=rloo", "algorithm.loss=gspo", "algorithm.loss_agg=seq-mean-token-mean",
-                  "algorithm.clip_low=3e-4", "algorithm.clip_high=4e-4"],
+                      "algorithm.loss.agg=seq-mean-token-sum"],
+    "rloo+gspo": ["algorithm.advantage=rloo", "algorithm.loss=gspo", "algorithm.loss.agg=seq-mean-token-mean",
+                  "algorithm.loss.clip_low=3e-4", "algorithm.loss.clip_high=4e-4"],
     "reinforce_pp+dual_clip+kl_reward": ["algorithm.advantage=reinforce_pp", "algorithm.loss=dual_clip",
-                                         "algorithm.loss_kwargs={c: 3.0}", "algorithm.kl_coef=0.05",
-                                         "algorithm.kl_in=reward"],
+                                         "algorithm.loss.kwargs={c: 3.0}", "algorithm.regularisers.kl_coef=0.05",
+                                         "algorithm.regularisers.kl_in=reward"],
     "reinforce_pp_baseline+ppo_clip+epochs": ["algorithm.advantage=reinforce_pp_baseline",
-                                              "algorithm.epochs=2"],
-    "gae+ppo_clip+kl_reward": ["algorithm.critic={}", "algorithm.kl_coef=0.05", "algorithm.kl_in=reward"],
+                                              "algorithm.loss.epochs=2"],
+    "gae+ppo_clip+kl_reward": ["algorithm.critic={}", "algorithm.regularisers.kl_coef=0.05",
+                               "algorithm.regularisers.kl_in=reward"],
 }
 
 
@@ -44,7 +45,7 @@ def test_each_algorithm_trains_one_step(name, tmp_path):
     assert m["ratio/min"] <= m["ratio/mean"] <= m["ratio/max"]
     if cfg.algorithm.critic is not None:
         assert math.isfinite(m["loss/value"]) and "value/explained_var" in m
-    if cfg.algorithm.dynamic_sampling:
+    if cfg.algorithm.sampling.dynamic:
         # the tiny random model never answers correctly: every group has zero variance, so it draws once more
         assert m["zero_variance_groups"] == 1.0 and m["sampling/rounds"] == 2.0
         assert m["reward/overlong"] <= 0.0

@@ -92,7 +92,8 @@ def test_generate_and_learner_logprobs_agree(model_dirs, arch):
         assert gap < tol, (arch, bf16_weights, gap)
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    learner = Learner(model, AlgorithmConfig(kl_coef=0.1), OptimConfig(lr=1e-2), 1.0, False, pad_id=tok.pad_token_id)
+    learner = Learner(model, AlgorithmConfig(regularisers={"kl_coef": 0.1}), OptimConfig(lr=1e-2), 1.0, False,
+                      pad_id=tok.pad_token_id)
     metrics = learner.update(trajectories(ids, groups, advantages=[1.0, -1.0]))
     assert math.isfinite(metrics["loss"]) and metrics.get("skipped_updates", 0.0) == 0.0
     changed = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]

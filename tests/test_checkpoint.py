@@ -134,7 +134,7 @@ def test_training_resumes_past_a_torn_checkpoint(tmp_path, caplog):
     from polyrl.run.loop import train
 
     overrides = ["train.steps=2", "eval.before=false", "eval.after=false", "logging.tensorboard=false",
-                 "logging.report=false", "rollout.group_size=2", "algorithm.entropy_coef=0.01"]
+                 "logging.report=false", "rollout.group_size=2", "algorithm.regularisers.entropy_coef=0.01"]
     cfg = load_config(SMOKE, overrides)
     run = tmp_path / "run"
     train(cfg, run, log=lambda m: None)

@@ -157,19 +157,19 @@ def test_correction_settings_out_of_range_fail_naming_the_key():
     from polyrl.algorithms.validate import check_algorithm
     from polyrl.config import AlgorithmConfig
 
-    with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs: .*alpha <= beta"):
-        check_algorithm(AlgorithmConfig(off_policy="icepop", off_policy_kwargs={"alpha": 3.0, "beta": 2.0}))
-    with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs: .*eps >= 0"):
-        check_algorithm(AlgorithmConfig(off_policy="prob_mask", off_policy_kwargs={"eps": -0.1}))
-    with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs.tau: not a parameter"):
-        check_algorithm(AlgorithmConfig(off_policy="mis", off_policy_kwargs={"tau": 1.0}))
-    with pytest.raises(ValueError, match=r"algorithm.off_policy_kwargs: off_policy 'tis' takes no kwargs"):
-        check_algorithm(AlgorithmConfig(off_policy="tis", off_policy_kwargs={"cap": 1.0}))
+    with pytest.raises(ValueError, match=r"algorithm.off_policy.kwargs: .*alpha <= beta"):
+        check_algorithm(AlgorithmConfig(off_policy={"correction": "icepop", "kwargs": {"alpha": 3.0, "beta": 2.0}}))
+    with pytest.raises(ValueError, match=r"algorithm.off_policy.kwargs: .*eps >= 0"):
+        check_algorithm(AlgorithmConfig(off_policy={"correction": "prob_mask", "kwargs": {"eps": -0.1}}))
+    with pytest.raises(ValueError, match=r"algorithm.off_policy.kwargs.tau: not a parameter"):
+        check_algorithm(AlgorithmConfig(off_policy={"correction": "mis", "kwargs": {"tau": 1.0}}))
+    with pytest.raises(ValueError, match=r"algorithm.off_policy.kwargs: off_policy 'tis' takes no kwargs"):
+        check_algorithm(AlgorithmConfig(off_policy={"correction": "tis", "kwargs": {"cap": 1.0}}))
     from polyrl.config import ConfigError
     from polyrl.config_check import load_config
 
     for override, named in (("algorithm.off_policy=icepopp", "algorithm.off_policy"),
-                            ("algorithm.off_policy_kwargs={alpha: 3, beta: 2}", "algorithm.off_policy_kwargs")):
+                            ("algorithm.off_policy.kwargs={alpha: 3, beta: 2}", "algorithm.off_policy.kwargs")):
         with pytest.raises(ConfigError) as err:
             load_config("configs/quickstart.yaml", ["algorithm.off_policy=icepop", override])
         assert named in str(err.value) and len(str(err.value).strip().splitlines()) == 1, str(err.value)
@@ -193,7 +193,7 @@ def test_learner_logs_the_mismatch_every_step_and_applies_each_correction():
     from algo_helpers import fake_trajectories, make_learner
 
     for mode in ("none", "mis", "icepop", "geo_mask", "prob_mask"):
-        learner = make_learner(off_policy=mode, track_kl=False)
+        learner = make_learner(off_policy=mode, regularisers={"track_kl": False})
         ts = fake_trajectories()
         _own_logprobs(learner, ts)
         ts[0].logprobs[3] -= 1.0  # the engine found one token e times less likely than the learner does

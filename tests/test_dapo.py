@@ -29,7 +29,7 @@ def test_overlong_penalty_is_a_linear_ramp_over_the_buffer():
 
 def test_shape_rewards_adds_the_scaled_penalty_and_records_it():
     ts = [traj(0, 1.0, n_tokens=4), traj(0, 1.0, n_tokens=7), traj(1, 0.0, n_tokens=8)]
-    algo = AlgorithmConfig(overlong_buffer=4, overlong_penalty=0.5)
+    algo = AlgorithmConfig(shaping={"overlong_buffer": 4, "overlong_penalty": 0.5})
     m = shape_rewards(ts, algo, max_new_tokens=8)
     # penalties 0, 0.5 * -0.75, 0.5 * -1
     assert [t.reward for t in ts] == pytest.approx([1.0, 0.625, -0.5])
@@ -44,7 +44,7 @@ def test_assign_advantages_uses_the_configured_estimator_and_kwargs():
     assign_advantages(ts, AlgorithmConfig(advantage="rloo"), AgentsConfig())
     assert [t.advantage for t in ts] == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
     # grpo with a huge eps: (r - 0.5) / (0.577 + 1000) is about +-0.0005
-    assign_advantages(ts, AlgorithmConfig(advantage="grpo", advantage_kwargs={"eps": 1000.0}), AgentsConfig())
+    assign_advantages(ts, AlgorithmConfig(advantage={"estimator": "grpo", "kwargs": {"eps": 1000.0}}), AgentsConfig())
     assert abs(ts[0].advantage) < 1e-3 and ts[0].advantage > 0
 
 
@@ -101,7 +101,7 @@ def test_mask_truncated_removes_truncated_samples_from_the_loss():
     ts = fake_trajectories()
     for t in ts:
         t.truncated = True
-    masked = make_learner(mask_truncated=True, track_kl=False).update(ts)
+    masked = make_learner(loss={"mask_truncated": True}, regularisers={"track_kl": False}).update(ts)
     assert masked["loss/pg"] == 0.0 and masked["grad_norm"] == 0.0
-    kept = make_learner(mask_truncated=False, track_kl=False).update(fake_trajectories())
+    kept = make_learner(loss={"mask_truncated": False}, regularisers={"track_kl": False}).update(fake_trajectories())
     assert kept["grad_norm"] > 0.0

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
 
 STEPS = 3
 ARGS = [f"train.steps={STEPS}", "model.bf16=true", "eval.before=false", "eval.after=false", "logging.report=false",
-        "rollout.group_size=4", "rollout.max_new_tokens=16", "algorithm.entropy_coef=0.01", "algorithm.kl_coef=0.01"]
+        "rollout.group_size=4", "rollout.max_new_tokens=16", "algorithm.regularisers.entropy_coef=0.01",
+        "algorithm.regularisers.kl_coef=0.01"]
 
 
 def timing_free(rows: list[dict]) -> list[dict]:

@@ -208,7 +208,7 @@ def test_load_model_moves_the_built_model():
 
 
 def test_teachers_are_loaded_on_the_students_device(monkeypatch):
-    config = load_config(SMOKE, ["algorithm.distill_coef=0.5", "tasks.0.teacher=tiny-random"])
+    config = load_config(SMOKE, ["algorithm.regularisers.distill_coef=0.5", "tasks.0.teacher=tiny-random"])
     placed = []
 
     def fake_load(name, lora=None, seed=0, device=None, **kw):

@@ -58,7 +58,7 @@ def test_learner_distills_each_row_from_its_own_task_teacher():
     from polyrl.types import Trajectory
 
     student, teacher = tiny_random_model(0, vocab_size=64), tiny_random_model(1, vocab_size=64)
-    algo = AlgorithmConfig(pg_coef=0.0, distill_coef=1.0, track_kl=False)
+    algo = AlgorithmConfig(loss={"pg_coef": 0.0}, regularisers={"distill_coef": 1.0, "track_kl": False})
     rows = [
         Trajectory(task=task, item_id=i, group_id=i, input_ids=[5, 6, 7, 8 + i], loss_mask=[0, 0, 1, 1],
                    logprobs=[0.0] * 4, versions=[-1, -1, 0, 0])

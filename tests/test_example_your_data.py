@@ -18,7 +18,7 @@ EXAMPLE = ROOT / "examples" / "your_data"
 DOC = ROOT / "docs" / "your-data.md"
 
 TRAIN_TINY = ["model.name=tiny-random", "model.bf16=false", "train.steps=2", "rollout.max_new_tokens=8",
-              "tasks.0.eval_size=4", "algorithm.dynamic_sampling=false", "eval.batch_size=4"]
+              "tasks.0.eval_size=4", "algorithm.sampling.dynamic=false", "eval.batch_size=4"]
 COMMANDS = [  # as the page shows them, then the overrides that put them on the tiny model
     ("python make_data.py", []),
     ("polyrl data config.yaml", ["model.name=tiny-random"]),

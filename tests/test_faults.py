@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
 
 STEPS = 3
 ARGS = [f"train.steps={STEPS}", "train.checkpoint_every=1", "tasks.0.eval_size=4", "logging.tensorboard=false",
-        "algorithm.entropy_coef=0.01", "rollout.group_size=2", "rollout.max_new_tokens=8"]
+        "algorithm.regularisers.entropy_coef=0.01", "rollout.group_size=2", "rollout.max_new_tokens=8"]
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 

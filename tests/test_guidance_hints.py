@@ -114,8 +114,8 @@ def _run(tmp_path, *overrides):
 
 
 def test_an_all_fail_group_is_sampled_again_with_a_hint_and_trained(tmp_path, tok):
-    run = _run(tmp_path, "guidance.hint_fraction=0.5", "algorithm.dynamic_sampling=true",
-               "algorithm.max_extra_rounds=0")
+    run = _run(tmp_path, "guidance.hint_fraction=0.5", "algorithm.sampling.dynamic=true",
+               "algorithm.sampling.max_extra_rounds=0")
     rollout = ScriptedRollout(tok)
     batch = produce_batch(run, 1, rollout_fn=rollout)
     # Step 1 draws items 0 ("-4", hint "-") and 1 ("3", nothing to reveal at 0.5): one hinted group, id 2,

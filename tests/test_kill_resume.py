@@ -33,7 +33,7 @@ ARGS = [
     "logging.tensorboard=false", "logging.report=false", "logging.progress=false",
     # The tiny random model never earns a reward, so GRPO advantages are all zero; the entropy bonus and KL
     # penalty make every update move the weights and the optimizer state, so resuming them is put to the test.
-    "algorithm.entropy_coef=0.01", "algorithm.kl_coef=0.01", "rollout.group_size=2",
+    "algorithm.regularisers.entropy_coef=0.01", "algorithm.regularisers.kl_coef=0.01", "rollout.group_size=2",
     # Long enough a generation (about 0.1 s) that a kill 0.02 s into it lands inside it on a fast machine.
     "rollout.max_new_tokens=48",
 ]

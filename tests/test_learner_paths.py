@@ -150,8 +150,8 @@ def test_micro_batches_change_no_update():
     result = {}
     for micro in (1, 4, 12):
         model = tiny_random_model(seed=2)
-        learner = Learner(model, AlgorithmConfig(track_kl=False), OptimConfig(lr=1e-3, micro_batch_size=micro),
-                          1.0, False, pad_id=2)
+        learner = Learner(model, AlgorithmConfig(regularisers={"track_kl": False}),
+                          OptimConfig(lr=1e-3, micro_batch_size=micro), 1.0, False, pad_id=2)
         metrics = learner.update(list(reversed(trajs)))
         result[micro] = (metrics["loss"], _grads(model))  # the update leaves the step's gradient in .grad
     assert result[12][1].norm() > 0

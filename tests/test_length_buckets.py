@@ -96,7 +96,7 @@ def test_learner_head_skips_padding_and_matches():
     trajs = [_traj([5, 6, 7], [20, 21, 22, 23, 24, 25], 0), _traj([5, 6, 7], [26], 0), _traj([8, 9], [27, 28], 1)]
     batch = collate(trajs, pad_id=2)
     model = tiny_random_model(seed=4)
-    learner = Learner(model, AlgorithmConfig(track_kl=False), OptimConfig(), 0.7, False, pad_id=2)
+    learner = Learner(model, AlgorithmConfig(regularisers={"track_kl": False}), OptimConfig(), 0.7, False, pad_id=2)
     logp, ent, _, _ = learner._forward(batch)
     ref_logp, ref_ent = token_logprobs(model, batch, temperature=0.7, bf16=False, share_prefix=False)
     used = batch.attention_mask[:, -batch.response_len :].bool()

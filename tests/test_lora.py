@@ -26,7 +26,8 @@ def test_lora_reference_is_base_model_without_a_copy():
     torch.manual_seed(0)
     base = load_model("tiny-random", None, seed=1)
     policy = load_model("tiny-random", LoraConfig(r=4, alpha=8), seed=1)
-    learner = Learner(policy, AlgorithmConfig(kl_coef=0.1), OptimConfig(lr=1e-2), 1.0, False, pad_id=2)
+    algo = AlgorithmConfig(regularisers={"kl_coef": 0.1})
+    learner = Learner(policy, algo, OptimConfig(lr=1e-2), 1.0, False, pad_id=2)
     assert learner.ref_model is None  # no second copy of the weights
     trainable = {n for n, p in policy.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
@@ -49,7 +50,8 @@ def test_bf16_frozen_base_gives_the_same_updates_as_float32_under_autocast():
         torch.manual_seed(0)
         policy = load_model("tiny-random", LoraConfig(r=4, alpha=8, bf16_base=bf16_base), seed=1, bf16=True)
         assert holds_bf16_weights(policy) == bf16_base
-        learner = Learner(policy, AlgorithmConfig(kl_coef=0.1), OptimConfig(lr=1e-2), 1.0, True, pad_id=2)
+        algo = AlgorithmConfig(regularisers={"kl_coef": 0.1})
+        learner = Learner(policy, algo, OptimConfig(lr=1e-2), 1.0, True, pad_id=2)
         metrics = [learner.update(_batch()) for _ in range(3)]
         lora = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
         runs.append((metrics, lora))

@@ -33,7 +33,8 @@ def _inputs(share: float = 1.0) -> LossInputs:
 
 
 def test_each_term_worked_by_hand():
-    algo = AlgorithmConfig(pg_coef=0.5, entropy_coef=0.1, kl_coef=0.2, kl_estimator="k1")
+    algo = AlgorithmConfig(loss={"pg_coef": 0.5},
+                           regularisers={"entropy_coef": 0.1, "kl_coef": 0.2, "kl_estimator": "k1"})
     x = _inputs()
     # PPO-clip at ratio 1: -(3 x 1 + 3 x 2) / 6 = -1.5 per token, times pg_coef 0.5
     pg = policy_term(algo, x)
@@ -51,7 +52,7 @@ def test_each_term_worked_by_hand():
 
 
 def test_kl_in_the_reward_is_measured_not_added_and_share_weights_every_term():
-    algo = AlgorithmConfig(kl_coef=0.2, kl_in="reward", kl_estimator="k1", entropy_coef=0.1)
+    algo = AlgorithmConfig(regularisers={"kl_coef": 0.2, "kl_in": "reward", "kl_estimator": "k1", "entropy_coef": 0.1})
     half = _inputs(share=0.5)
     kl = kl_term(algo, half)
     assert kl.loss is None and kl.logged == {"kl": pytest.approx(-0.5 * math.log(2))}

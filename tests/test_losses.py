@@ -196,13 +196,15 @@ def test_dppo_topk_divergence_by_hand():
 def test_dppo_topk_in_the_learner_anchors_on_the_policy_at_the_update_start():
     ts = fake_trajectories()
     # one epoch: the anchor is the pass itself, so every token is inside the region
-    m = make_learner(loss="dppo", loss_kwargs={"anchor": "old", "topk": 4}, track_kl=False).update(ts)
+    m = make_learner(loss={"name": "dppo", "kwargs": {"anchor": "old", "topk": 4}},
+                     regularisers={"track_kl": False}).update(ts)
     assert m["dppo/divergence"] == 0.0 and m["clip_frac"] == 0.0
     # two epochs: the second measures against the first pass's top-k. With K = the whole vocabulary (64) the
     # top-k TV is the full TV, never below the binary TV of the sampled token (the same first step in both).
-    binary = make_learner(lr=5e-2, loss="dppo", loss_kwargs={"anchor": "old"}, epochs=2, track_kl=False).update(ts)
-    full = make_learner(lr=5e-2, loss="dppo", loss_kwargs={"anchor": "old", "topk": 64}, epochs=2,
-                        track_kl=False).update(ts)
+    binary = make_learner(lr=5e-2, loss={"name": "dppo", "kwargs": {"anchor": "old"}, "epochs": 2},
+                          regularisers={"track_kl": False}).update(ts)
+    full = make_learner(lr=5e-2, loss={"name": "dppo", "kwargs": {"anchor": "old", "topk": 64}, "epochs": 2},
+                        regularisers={"track_kl": False}).update(ts)
     assert full["dppo/divergence"] > binary["dppo/divergence"] > 0.0
 
 
@@ -212,15 +214,15 @@ def test_dppo_topk_config_errors_name_the_key():
 
     for kwargs, words in (({"topk": 4}, "needs anchor: old"), ({"anchor": "old", "topk": -1}, "must be >= 0"),
                           ({"anchor": "old", "topk": "x"}, "a whole number")):
-        with pytest.raises(ValueError, match="algorithm.loss_kwargs") as err:
-            check_algorithm(AlgorithmConfig(loss="dppo", loss_kwargs=kwargs))
+        with pytest.raises(ValueError, match="algorithm.loss.kwargs") as err:
+            check_algorithm(AlgorithmConfig(loss={"name": "dppo", "kwargs": kwargs}))
         assert words in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.slow
 def test_dppo_in_the_learner_takes_the_behaviour_log_probs():
     ts = fake_trajectories()  # behaviour log-probs 0 (probability 1): every token moved down by > 0.2 TV
-    m = make_learner(loss="dppo", track_kl=False).update(ts)
+    m = make_learner(loss="dppo", regularisers={"track_kl": False}).update(ts)
     # the two A > 0 samples push their tokens back up, toward the engine's: inside the region; the A < 0
     # samples would push them further down: masked. So half the tokens are out of the region.
     assert m["clip_frac"] == pytest.approx(0.5) and m["dppo/divergence"] > 0.2
@@ -240,15 +242,15 @@ def old_signature(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2,
 
 @pytest.mark.slow
 def test_a_user_registered_loss_is_usable_from_config():
-    cfg = load_config(SMOKE, ["algorithm.loss=test_scaled_ppo", "algorithm.loss_kwargs={scale: 2.0}"])
-    assert cfg.algorithm.loss == "test_scaled_ppo" and cfg.algorithm.loss_kwargs == {"scale": 2.0}
-    with pytest.raises(ConfigError, match=r"algorithm.loss_kwargs.scal: not a parameter of policy loss"):
-        load_config(SMOKE, ["algorithm.loss=test_scaled_ppo", "algorithm.loss_kwargs={scal: 2.0}"])
+    cfg = load_config(SMOKE, ["algorithm.loss=test_scaled_ppo", "algorithm.loss.kwargs={scale: 2.0}"])
+    assert cfg.algorithm.loss.name == "test_scaled_ppo" and cfg.algorithm.loss.kwargs == {"scale": 2.0}
+    with pytest.raises(ConfigError, match=r"algorithm.loss.kwargs.scal: not a parameter of policy loss"):
+        load_config(SMOKE, ["algorithm.loss=test_scaled_ppo", "algorithm.loss.kwargs={scal: 2.0}"])
     with pytest.raises(ConfigError, match=r"algorithm.loss: policy loss 'test_old_signature' takes \(logp, old_logp, "
                                           r"advantages, mask\); a policy loss takes one PolicyLossInputs"):
         load_config(SMOKE, ["algorithm.loss=test_old_signature"])
-    scaled = make_learner(loss="test_scaled_ppo", loss_kwargs={"scale": 2.0}, track_kl=False)
-    plain = make_learner(track_kl=False)
+    scaled = make_learner(loss={"name": "test_scaled_ppo", "kwargs": {"scale": 2.0}}, regularisers={"track_kl": False})
+    plain = make_learner(regularisers={"track_kl": False})
     m_scaled, m_plain = scaled.update(fake_trajectories()), plain.update(fake_trajectories())
     assert m_scaled["test/scale"] == 2.0
     assert m_scaled["loss/pg"] == pytest.approx(2 * m_plain["loss/pg"])
@@ -258,28 +260,28 @@ def test_bad_algorithm_config_is_one_line_naming_the_key():
     cases = {
         "algorithm.loss=gspoo": "algorithm.loss: unknown policy loss 'gspoo'; valid: cispo, dppo, dual_clip, gspo",
         "algorithm.advantage=rlooo": "algorithm.advantage: unknown advantage estimator 'rlooo'; valid: dr_",
-        "algorithm.loss_kwargs={c: 0.5}": "algorithm.loss_kwargs.c: not a parameter of policy loss 'ppo_cl",
-        "algorithm.advantage_kwargs={group_ids: 1}": "algorithm.advantage_kwargs.group_ids: set by the fra",
-        "algorithm.kl_in=both": "algorithm.kl_in: Input should be 'loss' or 'reward'",
-        "algorithm.overlong_buffer=9": "algorithm.overlong_buffer: 9 is longer than rollout.max_new_tokens",
+        "algorithm.loss.kwargs={c: 0.5}": "algorithm.loss.kwargs.c: not a parameter of policy loss 'ppo_cl",
+        "algorithm.advantage.kwargs={group_ids: 1}": "algorithm.advantage.kwargs.group_ids: set by the fra",
+        "algorithm.regularisers.kl_in=both": "algorithm.regularisers.kl_in: Input should be 'loss' or 'reward'",
+        "algorithm.shaping.overlong_buffer=9": "algorithm.shaping.overlong_buffer: 9 is longer than rollout.max_",
     }
     for override, message in cases.items():
         with pytest.raises(ConfigError) as err:
             load_config(SMOKE, [override])
         text = str(err.value)
         assert message in text and "\n" not in text, (override, text)
-    with pytest.raises(ConfigError, match=r"algorithm.loss_kwargs: policy loss 'dual_clip' rejected .*c > 1"):
-        load_config(SMOKE, ["algorithm.loss=dual_clip", "algorithm.loss_kwargs={c: 0.5}"])
-    with pytest.raises(ConfigError, match=r"algorithm.dynamic_sampling: needs rollout.group_size >= 2"):
-        load_config(SMOKE, ["algorithm.dynamic_sampling=true", "rollout.group_size=1"])
-    ok = load_config(SMOKE, ["algorithm.loss=dual_clip", "algorithm.loss_kwargs={c: 2}"])
-    assert ok.algorithm.loss_kwargs == {"c": 2}
+    with pytest.raises(ConfigError, match=r"algorithm.loss.kwargs: policy loss 'dual_clip' rejected .*c > 1"):
+        load_config(SMOKE, ["algorithm.loss=dual_clip", "algorithm.loss.kwargs={c: 0.5}"])
+    with pytest.raises(ConfigError, match=r"algorithm.sampling.dynamic: needs rollout.group_size >= 2"):
+        load_config(SMOKE, ["algorithm.sampling.dynamic=true", "rollout.group_size=1"])
+    ok = load_config(SMOKE, ["algorithm.loss=dual_clip", "algorithm.loss.kwargs={c: 2}"])
+    assert ok.algorithm.loss.kwargs == {"c": 2}
 
 
 def test_kl_in_the_reward_makes_per_token_advantages():
     # A = 1, k1 KL per token = logp - ref = [0.1, 0.2, 0.3], coef 0.5: to-go [0.6, 0.5, 0.3]
     # -> advantages 1 - 0.5 * to-go = [0.7, 0.75, 0.85]
-    learner = make_learner(kl_coef=0.5, kl_in="reward", kl_estimator="k1")
+    learner = make_learner(regularisers={"kl_coef": 0.5, "kl_in": "reward", "kl_estimator": "k1"})
     batch = collate(fake_trajectories(1), pad_id=2)
     batch.advantages = torch.tensor([1.0])
     old, ref = torch.zeros(1, 3), torch.tensor([[-0.1, -0.2, -0.3]])
@@ -288,7 +290,7 @@ def test_kl_in_the_reward_makes_per_token_advantages():
                                              1.0)
     assert adv[0].tolist() == pytest.approx([0.7, 0.75, 0.85]) and returns is None
     # in the loss instead: advantages stay per sequence
-    in_loss = make_learner(kl_coef=0.5, kl_in="loss", kl_estimator="k1")
+    in_loss = make_learner(regularisers={"kl_coef": 0.5, "kl_in": "loss", "kl_estimator": "k1"})
     adv = token_advantages(in_loss.algo, batch, torch.tensor([1.0]), old, ref, None, no_cross, 2.0, 1.0).advantages
     assert adv.tolist() == [1.0]
 
@@ -298,7 +300,7 @@ def test_kl_placement_changes_the_update():
     # The first update moves the policy away from the reference; the second sees KL > 0 either way.
     results = {}
     for where in ("loss", "reward"):
-        learner = make_learner(lr=1e-2, kl_coef=1.0, kl_in=where)
+        learner = make_learner(lr=1e-2, regularisers={"kl_coef": 1.0, "kl_in": where})
         learner.update(fake_trajectories())
         results[where] = learner.update(fake_trajectories())
         assert results[where]["kl"] > 0
@@ -307,8 +309,8 @@ def test_kl_placement_changes_the_update():
 
 @pytest.mark.slow
 def test_several_epochs_move_the_importance_ratio():
-    m = make_learner(lr=1e-2, epochs=3, track_kl=False).update(fake_trajectories())
+    m = make_learner(lr=1e-2, loss={"epochs": 3}, regularisers={"track_kl": False}).update(fake_trajectories())
     assert m["ratio/max"] > 1.0 or m["ratio/min"] < 1.0
     assert m["ratio/min"] <= m["ratio/mean"] <= m["ratio/max"]
-    one = make_learner(lr=1e-2, epochs=1, track_kl=False).update(fake_trajectories())
+    one = make_learner(lr=1e-2, loss={"epochs": 1}, regularisers={"track_kl": False}).update(fake_trajectories())
     assert one["ratio/min"] == pytest.approx(1.0) and one["ratio/max"] == pytest.approx(1.0)

@@ -52,7 +52,7 @@ def test_assign_advantages_normalises_within_each_task():
     # Task a: rewards 0/1 in one group; task b: rewards 0/10 in one group. GRPO gives both +-0.707 (the group
     # std absorbs the scale); after task_norm each task's advantages have mean 0 and std 1.
     trajs = [_traj("a", 0, r) for r in (0, 1, 1, 0)] + [_traj("b", 1, r) for r in (0, 10, 0, 0)]
-    algo = AlgorithmConfig(task_norm=True)
+    algo = AlgorithmConfig(advantage={"task_norm": True})
     assign_advantages(trajs, algo, AgentsConfig())
     for task in ("a", "b"):
         adv = torch.tensor([t.advantage for t in trajs if t.task == task])
@@ -64,8 +64,8 @@ def test_assign_advantages_normalises_within_each_task():
 
 
 def test_task_norm_needs_a_sample_level_estimator():
-    with pytest.raises(ValueError, match="algorithm.task_norm"):
-        AlgorithmConfig(task_norm=True, critic={})
+    with pytest.raises(ValueError, match="algorithm.advantage.task_norm"):
+        AlgorithmConfig(advantage={"task_norm": True}, critic={})
 
 
 def test_cross_policy_split_leaves_the_learner_a_group():

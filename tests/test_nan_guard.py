@@ -53,8 +53,8 @@ def count_updates(monkeypatch):
 
 
 OVERRIDES = ["eval.before=false", "eval.after=false", "logging.tensorboard=false", "logging.report=false",
-             "rollout.group_size=2", "algorithm.loss=test_poisoned", "algorithm.entropy_coef=0.01",
-             "train.keep_checkpoints=5", "algorithm.track_kl=false"]
+             "rollout.group_size=2", "algorithm.loss=test_poisoned", "algorithm.regularisers.entropy_coef=0.01",
+             "train.keep_checkpoints=5", "algorithm.regularisers.track_kl=false"]
 
 
 def _weights(ckpt):

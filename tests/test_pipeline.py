@@ -25,7 +25,7 @@ BASE = {
     "model": {"name": "tiny-random", "bf16": False},
     "tasks": TASKS,
     "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
-    "algorithm": {"track_kl": False},
+    "algorithm": {"regularisers": {"track_kl": False}},
     "optim": {"lr": 1e-3},
     "train": {"checkpoint_every": 1},
     "logging": {"progress": False, "tensorboard": False, "report": False},
@@ -77,8 +77,9 @@ def test_three_stages_through_the_cli(three_stage_run):
     assert sft_cfg["model"]["name"] == "tiny-random"
     assert rl_cfg["model"]["name"] == state["rows"][1]["checkpoint"].rstrip("/")
     assert [t["name"] for t in rl_cfg["tasks"]] == ["chain_sum"]
-    assert rl_cfg["optim"]["lr"] == 5e-4 and rl_cfg["algorithm"]["advantage"] == "rloo"
-    assert distill_cfg["algorithm"]["pg_coef"] == 0.0 and distill_cfg["algorithm"]["distill_coef"] == 1.0
+    assert rl_cfg["optim"]["lr"] == 5e-4 and rl_cfg["algorithm"]["advantage"]["estimator"] == "rloo"
+    assert distill_cfg["algorithm"]["loss"]["pg_coef"] == 0.0
+    assert distill_cfg["algorithm"]["regularisers"]["distill_coef"] == 1.0
     # The distill stage's teachers: the one it names, else the registry's best checkpoint at that point (on a
     # tie the latest: here the stage's start).
     best_then = pipeline.registry(state["rows"][:3], latest_on_tie=True)
@@ -146,7 +147,8 @@ def test_find_regressions_uses_the_threshold():
 @pytest.mark.slow
 def test_regression_inserts_a_distill_stage_from_the_best_checkpoint(tmp_path, monkeypatch):
     # The entropy bonus moves the weights (the tiny model earns no reward), so the student differs from its teacher.
-    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1,
+               "algorithm": {"regularisers": {"entropy_coef": 0.01}}},
               {"name": "rl_b", "tasks": ["basic_arithmetic"], "steps": 1}]
     cfg = load_config(write_config(tmp_path / "c.yaml", stages,
                                    pipeline={"on_regression": "distill", "regression_steps": 1}))
@@ -170,7 +172,8 @@ def test_regression_inserts_a_distill_stage_from_the_best_checkpoint(tmp_path, m
     assert [t["name"] for t in recover["tasks"]] == ["basic_arithmetic"]
     assert recover["tasks"][0]["teacher"] == "tiny-random"  # the base model was its best
     assert recover["model"]["name"] == state["rows"][1]["checkpoint"]  # the student is the regressed policy
-    assert recover["algorithm"]["distill_coef"] == 1.0 and recover["algorithm"]["pg_coef"] == 0.0
+    assert recover["algorithm"]["regularisers"]["distill_coef"] == 1.0
+    assert recover["algorithm"]["loss"]["pg_coef"] == 0.0
     distill = json.loads((tmp_path / "run/stages/2-recover/metrics.jsonl").read_text().splitlines()[0])
     assert distill["distill/reverse_kl"] > 0
     assert "↓" in (tmp_path / "run/stages.md").read_text()
@@ -182,7 +185,8 @@ def test_regression_inserts_a_distill_stage_from_the_best_checkpoint(tmp_path, m
 def test_distill_keeps_a_task_whose_teacher_is_the_stage_start(tmp_path, monkeypatch):
     # After rl_a, chain_sum's best checkpoint is rl_a's own, which the distill stage starts from; it is still
     # distilled (held against that checkpoint while basic_arithmetic, whose best is the base model, moves).
-    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1,
+               "algorithm": {"regularisers": {"entropy_coef": 0.01}}},
               {"name": "distill", "kind": "distill", "steps": 1}]
     cfg = load_config(write_config(tmp_path / "c.yaml", stages))
     script = iter([{"chain_sum": 0.2, "basic_arithmetic": 0.5},  # base

@@ -20,7 +20,7 @@ def test_real_model_evaluates_and_takes_an_rl_step(tmp_path):
     cfg = load_config(
         ROOT / "configs" / "quickstart.yaml",
         ["train.steps=1", "train.max_minutes=null", "tasks.0.eval_size=16", "eval.after=false",
-         "model.lora={r: 8, alpha: 16}", "algorithm.kl_coef=0.01", "logging.progress=false",
+         "model.lora={r: 8, alpha: 16}", "algorithm.regularisers.kl_coef=0.01", "logging.progress=false",
          "logging.tensorboard=false"],
     )
     summary = train(cfg, tmp_path / "run", log=lambda _: None)

@@ -24,7 +24,7 @@ ARGS = [
     f"train.steps={STEPS}", "train.checkpoint_every=1", "eval.before=false", "eval.after=false",
     "logging.tensorboard=false", "logging.report=false", "logging.progress=false",
     f"rollout.group_size={GROUP}", f"logging.trajectories_per_group={GROUP}",  # every sample on file
-    "algorithm.entropy_coef=0.01",
+    "algorithm.regularisers.entropy_coef=0.01",
 ]
 @pytest.fixture(scope="module")
 def cli():

@@ -65,7 +65,8 @@ def test_retention_keys_on_the_wrong_stage_are_config_errors(tmp_path, bad, msg)
 
 @pytest.mark.slow
 def test_replay_stage_samples_earlier_tasks_with_a_kl_to_their_best(tmp_path, monkeypatch):
-    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1,
+               "algorithm": {"regularisers": {"entropy_coef": 0.01}}},
               {"name": "rl_b", "tasks": ["basic_arithmetic"], "steps": 2, "replay": 0.5, "retain_coef": 0.5}]
     cfg = load_config(write_config(tmp_path / "c.yaml", stages))
     script = iter([{"chain_sum": 0.2, "basic_arithmetic": 0.5},   # base
@@ -80,7 +81,7 @@ def test_replay_stage_samples_earlier_tasks_with_a_kl_to_their_best(tmp_path, mo
     b_cfg = yaml.safe_load((tmp_path / "run/stages/2-rl_b/config.yaml").read_text())
     assert {t["name"]: t["teacher"] for t in b_cfg["tasks"]} == {"chain_sum": stage_a["checkpoint"],
                                                                  "basic_arithmetic": None}
-    assert b_cfg["algorithm"]["distill_coef"] == 0.5 and b_cfg["algorithm"]["pg_coef"] == 1.0
+    assert b_cfg["algorithm"]["regularisers"]["distill_coef"] == 0.5 and b_cfg["algorithm"]["loss"]["pg_coef"] == 1.0
     metrics = [json.loads(x) for x in (tmp_path / "run/stages/2-rl_b/metrics.jsonl").read_text().splitlines()]
     # Both tasks were sampled, and the rows of chain_sum carried a KL to its teacher.
     assert any("reward/chain_sum" in m for m in metrics) and any("reward/basic_arithmetic" in m for m in metrics)
@@ -128,7 +129,8 @@ def _second_stage(tmp_path, monkeypatch, stages: list[dict], held_out: list[dict
 
 @pytest.mark.slow
 def test_distill_stops_once_every_task_is_within_tolerance(tmp_path, monkeypatch):
-    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1,
+               "algorithm": {"regularisers": {"entropy_coef": 0.01}}},
               {"name": "distill", "kind": "distill", "steps": 6, "until_within": 0.02, "eval_every": 2}]
     # basic_arithmetic's teacher is the base (validation 0.5); the distill start is at 0.3, after 2 steps at 0.49.
     validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.5},
@@ -147,7 +149,8 @@ def test_distill_stops_once_every_task_is_within_tolerance(tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_distill_at_the_end_of_its_budget_keeps_the_best_part(tmp_path, monkeypatch):
-    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1,
+               "algorithm": {"regularisers": {"entropy_coef": 0.01}}},
               {"name": "distill", "kind": "distill", "steps": 3, "until_within": 0.02, "eval_every": 2}]
     validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.5},
                   "1-rl_a/checkpoints/step-1": {"chain_sum": 0.6, "basic_arithmetic": 0.3},
@@ -174,7 +177,8 @@ def test_best_mean_part_takes_the_highest_mean_and_the_earliest_on_a_tie():
 
 @pytest.mark.slow
 def test_rl_stage_with_keep_best_ends_at_its_best_validated_part(tmp_path, monkeypatch):
-    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1,
+               "algorithm": {"regularisers": {"entropy_coef": 0.01}}},
               {"name": "rl_b", "tasks": ["basic_arithmetic"], "steps": 5, "keep_best": True, "eval_every": 2}]
     # rl_b raises basic_arithmetic, and by its last steps costs chain_sum more than it gains.
     validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.1},
@@ -202,7 +206,8 @@ def test_focus_weights_scale_each_task_by_its_shortfall_in_points():
 
 @pytest.mark.slow
 def test_distill_with_focus_samples_the_task_furthest_behind_more_and_takes_its_rollout(tmp_path, monkeypatch):
-    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1,
+               "algorithm": {"regularisers": {"entropy_coef": 0.01}}},
               {"name": "distill", "kind": "distill", "steps": 4, "until_within": 0.0, "eval_every": 2,
                "focus": 0.1, "rollout": {"prompts_per_step": 3, "group_size": 2}}]
     validation = {"tiny-random": {"chain_sum": 0.1, "basic_arithmetic": 0.5},
@@ -234,7 +239,7 @@ def test_a_run_stopped_and_resumed_with_stop_at_step_equals_one_run(tmp_path):
 
     def cfg(stop):
         return load_config(SMOKE, ["train.steps=3", f"train.stop_at_step={stop}", "optim.schedule=linear",
-                                   "algorithm.entropy_coef=0.01", "eval.before=false", "eval.after=false",
+                                   "algorithm.regularisers.entropy_coef=0.01", "eval.before=false", "eval.after=false",
                                    "logging.tensorboard=false", "logging.report=false", "logging.progress=false"])
 
     train(cfg(3), tmp_path / "a", log=lambda *_: None)
@@ -266,7 +271,8 @@ def test_sft_from_teacher_trains_on_the_best_checkpoints_correct_replies(tmp_pat
     from polyrl.train import teacher_examples
     from tests.test_pipeline import weights_digest
 
-    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1, "algorithm": {"entropy_coef": 0.01}},
+    stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1,
+               "algorithm": {"regularisers": {"entropy_coef": 0.01}}},
               {"name": "recall", "kind": "sft", "sft_from": "teacher", "steps": 2}]
     cfg = load_config(write_config(tmp_path / "c.yaml", stages))
     held_out = [{"chain_sum": 0.2, "basic_arithmetic": 0.5}, {"chain_sum": 0.6, "basic_arithmetic": 0.3},

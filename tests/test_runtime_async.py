@@ -16,7 +16,7 @@ from tests.conftest import SMOKE
 # so a runtime that used the wrong weights for a step would produce different numbers.
 BASE = [
     "eval.before=false", "eval.after=false", "logging.report=false", "logging.tensorboard=false",
-    "train.checkpoint_every=0", "train.steps=3", "algorithm.entropy_coef=0.05", "optim.lr=0.01",
+    "train.checkpoint_every=0", "train.steps=3", "algorithm.regularisers.entropy_coef=0.05", "optim.lr=0.01",
     "engine.bf16_weights=false",
 ]
 TIMING = ("time", "per_s")

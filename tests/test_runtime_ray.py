@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 
 BASE = [
     "eval.before=false", "eval.after=false", "logging.report=false", "logging.tensorboard=false",
-    "train.checkpoint_every=0", "train.steps=3", "algorithm.entropy_coef=0.05", "optim.lr=0.01",
+    "train.checkpoint_every=0", "train.steps=3", "algorithm.regularisers.entropy_coef=0.05", "optim.lr=0.01",
     "engine.bf16_weights=false", "rollout.prompts_per_step=4", "logging.trajectories_per_group=4",
     "runtime.kind=ray", "runtime.num_workers=2",
 ]
@@ -127,7 +127,7 @@ def test_learner_ranks_as_actors_restart_from_the_checkpoint_when_one_is_lost(tm
     from polyrl.checkpoint.faults import KILL_ONCE
 
     args = ["eval.before=false", "eval.after=false", "logging.report=false", "logging.tensorboard=false",
-            "train.steps=3", "train.checkpoint_every=1", "algorithm.entropy_coef=0.05", "optim.lr=0.01",
+            "train.steps=3", "train.checkpoint_every=1", "algorithm.regularisers.entropy_coef=0.05", "optim.lr=0.01",
             "learner.world_size=2", "learner.timeout_s=60"]
     env = {"RAY_AUTH_MODE": "disabled", KILL_AT: None}  # forked runs (conftest polyrl_cli), one thread each
     ref = polyrl_cli.run(["train", str(SMOKE), "-o", str(tmp_path / "ref"), *args], env)

@@ -32,7 +32,7 @@ from tests.dist_helpers import run_ranks
 
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
 
-MIS = {"off_policy": "mis", "off_policy_kwargs": {"cap": 1.5, "drop": True}}
+MIS = {"off_policy": {"correction": "mis", "kwargs": {"cap": 1.5, "drop": True}}}
 CASES = [(agg, lora) for agg in ("token-mean", "seq-mean-token-mean") for lora in (False, True)]
 
 
@@ -65,7 +65,7 @@ def _update(agg: str, lora: bool, n_groups: int = 3, group: int = 4,
             if "lora_B" in name:
                 p.normal_(0.0, 0.02)
     full = copy.deepcopy(model)
-    algo = AlgorithmConfig(loss_agg=agg, kl_coef=0.05, clip_high=0.28, **algo_kw)
+    algo = AlgorithmConfig(loss={"agg": agg, "clip_high": 0.28}, regularisers={"kl_coef": 0.05}, **algo_kw)
     learner = Learner(model, algo, OptimConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.05), 1.0, False, pad_id=2,
                       sharding=sharding)
     metrics = learner.update(_trajectories(n_groups, group, tasks=tasks))
@@ -78,7 +78,7 @@ def _on_rank(path: str) -> None:
     results["one row"] = _update("token-mean", False, n_groups=1, group=1)
     results["checkpointed"] = _update("token-mean", False, sharding=LearnerConfig(activation_checkpointing=True))
     results["mis"] = _update("token-mean", False, **MIS)
-    results["pcgrad"] = _update("seq-mean-token-mean", True, n_groups=4, tasks=2, gradient_surgery="pcgrad")
+    results["pcgrad"] = _update("seq-mean-token-mean", True, n_groups=4, tasks=2, gradients={"surgery": "pcgrad"})
     if current().is_main:
         torch.save(results, path)
 
@@ -164,7 +164,8 @@ def test_mismatch_metrics_and_sequence_correction_are_global(two_ranks):
 def test_task_gradients_and_pcgrad_are_global(two_ranks):
     """Per-task gradient norms and cosines are over the whole gradient (shards' dot products summed over the
     ranks), and PCGrad's projection gives the one-process update."""
-    one_metrics, one_weights = _update("seq-mean-token-mean", True, n_groups=4, tasks=2, gradient_surgery="pcgrad")
+    one_metrics, one_weights = _update("seq-mean-token-mean", True, n_groups=4, tasks=2,
+                                       gradients={"surgery": "pcgrad"})
     two_metrics, two_weights = two_ranks["pcgrad"]
     keys = [k for k in one_metrics if k.startswith("task_grad/")]
     assert len(keys) == 3

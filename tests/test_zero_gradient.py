@@ -23,13 +23,13 @@ def _trajs(advantages):
 
 def _learner(seed=0, **algo):
     model = tiny_random_model(seed=seed, vocab_size=64)
-    algo = AlgorithmConfig(**{"track_kl": False, **algo})
+    algo = AlgorithmConfig(**{"regularisers": {"track_kl": False}, **algo})
     return Learner(model, algo, OptimConfig(lr=1e-2, weight_decay=0.1), 1.0, False, pad_id=2, total_steps=10)
 
 
 @pytest.mark.parametrize("epochs", [1, 2])
 def test_zero_advantage_update_equals_the_full_one(monkeypatch, epochs):
-    full, short = _learner(epochs=epochs), _learner(epochs=epochs)
+    full, short = _learner(loss={"epochs": epochs}), _learner(loss={"epochs": epochs})
     signal, silent = _trajs([1.0, -1.0, 0.5, -0.5]), _trajs([0.0] * 4)
     for learner in (full, short):
         learner.update(signal)  # AdamW moments from a real gradient, so a zero-gradient step still moves
@@ -58,9 +58,9 @@ def test_zero_advantage_update_equals_the_full_one(monkeypatch, epochs):
     "algo, advantages",
     [
         ({}, [0.0, 0.0, 0.5, 0.0]),  # one row carries signal
-        ({"entropy_coef": 0.01}, [0.0] * 4),  # the entropy bonus has a gradient
-        ({"track_kl": True}, [0.0] * 4),  # the KL is measured from a forward pass
-        ({"kl_coef": 0.1}, [0.0] * 4),
+        ({"regularisers": {"entropy_coef": 0.01, "track_kl": False}}, [0.0] * 4),  # the entropy bonus has a gradient
+        ({"regularisers": {"track_kl": True}}, [0.0] * 4),  # the KL is measured from a forward pass
+        ({"regularisers": {"kl_coef": 0.1, "track_kl": False}}, [0.0] * 4),
     ],
 )
 def test_other_terms_keep_the_passes(algo, advantages):

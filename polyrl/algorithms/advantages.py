@@ -53,7 +53,7 @@ def dr_grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.
 
     This is the "no std normalisation" half of Dr.GRPO: dividing by the group std up-weights prompts that are
     almost always solved or almost never solved. The other half, "no length normalisation", is the loss
-    aggregation: pair this estimator with ``algorithm.loss_agg: seq-mean-token-sum`` so each sequence's token
+    aggregation: pair this estimator with ``algorithm.loss.agg: seq-mean-token-sum`` so each sequence's token
     losses are summed, not averaged over its length (the paper divides by a constant instead, which differs
     only by a constant factor that Adam and gradient clipping make immaterial).
     """

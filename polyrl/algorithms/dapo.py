@@ -1,5 +1,5 @@
 """DAPO's sampling and reward shaping (Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System
-at Scale") as pure functions; clip-higher is ``clip_high`` in every loss and token-mean is ``loss_agg``."""
+at Scale") as pure functions; clip-higher is ``loss.clip_high`` in every loss and token-mean is ``loss.agg``."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ Every loss shares the signature
 
     loss(x: PolicyLossInputs, **extra) -> (loss, metrics)
 
-where ``extra`` are the loss's own keyword arguments (``algorithm.loss_kwargs`` in the config), and metrics
+where ``extra`` are the loss's own keyword arguments (``algorithm.loss.kwargs`` in the config), and metrics
 are detached floats that always include ``clip_frac`` and ``ratio/mean``, ``ratio/min``, ``ratio/max``.
 """
 
@@ -159,7 +159,7 @@ def gspo_loss(
     clipped per sequence: obj_i = min(s_i A_i, clip(s_i, 1 - clip_low, 1 + clip_high) A_i). It is computed in
     the GSPO-token form s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)], whose value is s_i on every token and whose
     gradient equals the sequence objective's; so per-token advantages also work. The paper's objective is a
-    mean over sequences: use ``algorithm.loss_agg: seq-mean-token-mean``. Its clip range is tiny (3e-4, 4e-4
+    mean over sequences: use ``algorithm.loss.agg: seq-mean-token-mean``. Its clip range is tiny (3e-4, 4e-4
     in the paper) because s_i is a geometric mean over the sequence; set ``clip_low``/``clip_high`` to match.
     """
     adv = _per_token(x.advantages)

@@ -21,7 +21,7 @@ import torch
 from polyrl.algorithms.registry import Registry
 
 CORRECTIONS = Registry("off-policy correction")
-"""``algorithm.off_policy`` values beyond decoupled/tis/m2po; each takes ``algorithm.off_policy_kwargs``."""
+"""``algorithm.off_policy.correction`` values beyond decoupled/tis/m2po; each takes ``algorithm.off_policy.kwargs``."""
 
 LOG_RATIO_LIMIT = 20.0
 """Log-ratios are clamped here before exp(): a sequence's summed log-ratio can reach hundreds."""

@@ -12,12 +12,12 @@ from polyrl.types import Trajectory
 
 
 def shape_rewards(trajectories: list[Trajectory], algo: Any, max_new_tokens: int) -> dict[str, float]:
-    """Add DAPO's overlong penalty (``algo.overlong_buffer`` > 0) to each reward, recorded as
-    ``rewards["overlong"]``, then gate the shaping components (``algo.reward_gate``); returns the penalty's
-    mean, each reward component's mean (``criterion_means``) and the gate's metrics."""
-    metrics = _overlong(trajectories, algo, max_new_tokens)
+    """Add DAPO's overlong penalty (``algo.shaping.overlong_buffer`` > 0) to each reward, recorded as
+    ``rewards["overlong"]``, then gate the shaping components (``algo.advantage.reward_gate``); returns the
+    penalty's mean, each reward component's mean (``criterion_means``) and the gate's metrics."""
+    metrics = _overlong(trajectories, algo.shaping, max_new_tokens)
     metrics.update(criterion_means(trajectories))  # as scored, before the gate withholds any
-    gate = getattr(algo, "reward_gate", None)
+    gate = algo.advantage.reward_gate
     if gate is not None and trajectories:
         metrics.update(gate_rewards(trajectories, gate.outcome, gate.threshold, gate.gated))
     return metrics
@@ -45,14 +45,14 @@ def gate_rewards(
     and ``rewards[k]`` becomes min(r_k, 0). Shaping (format, length, a judge's style score, step rewards)
     then pays only for solved episodes, so it cannot be farmed without solving, while penalties still apply.
     Returns ``reward/gated_frac``, the fraction of trajectories whose shaping was withheld. A trajectory
-    without the ``outcome`` component is a config error naming ``algorithm.reward_gate.outcome``.
+    without the ``outcome`` component is a config error naming ``algorithm.advantage.reward_gate.outcome``.
     """
     withheld = 0
     for t in trajectories:
         if outcome not in t.rewards:
             have = ", ".join(sorted(t.rewards)) or "none"
-            raise ValueError(f"algorithm.reward_gate.outcome: no reward component '{outcome}' in task '{t.task}' "
-                             f"(its components: {have})")
+            raise ValueError(f"algorithm.advantage.reward_gate.outcome: no reward component '{outcome}' in task "
+                             f"'{t.task}' (its components: {have})")
         if t.rewards[outcome] >= threshold:
             continue
         names = gated or [k for k in t.rewards if k != outcome]
@@ -65,11 +65,11 @@ def gate_rewards(
     return {"reward/gated_frac": withheld / len(trajectories)}
 
 
-def _overlong(trajectories: list[Trajectory], algo: Any, max_new_tokens: int) -> dict[str, float]:
-    if algo.overlong_buffer <= 0 or not trajectories:
+def _overlong(trajectories: list[Trajectory], shaping: Any, max_new_tokens: int) -> dict[str, float]:
+    if shaping.overlong_buffer <= 0 or not trajectories:
         return {}
     lengths = torch.tensor([t.num_model_tokens for t in trajectories])
-    penalty = algo.overlong_penalty * overlong_penalty(lengths, max_new_tokens, algo.overlong_buffer)
+    penalty = shaping.overlong_penalty * overlong_penalty(lengths, max_new_tokens, shaping.overlong_buffer)
     for t, p in zip(trajectories, penalty.tolist(), strict=True):
         t.rewards["overlong"] = p
         t.reward += p

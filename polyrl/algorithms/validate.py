@@ -51,12 +51,12 @@ def check_loss_signature(loss_fn: Callable, what: str) -> None:
 
 def anchor_topk_size(loss_fn: Callable, loss_kwargs: dict[str, Any]) -> int:
     """K when the learner hands this loss the policy's logits and the top-K tokens of the policy at the
-    update's start (a ``topk`` parameter in its signature and ``loss_kwargs.topk`` > 0), else 0."""
+    update's start (a ``topk`` parameter in its signature and ``algorithm.loss.kwargs.topk`` > 0), else 0."""
     if "topk" not in inspect.signature(loss_fn).parameters:
         return 0
     k = loss_kwargs.get("topk", 0)
     if not isinstance(k, int) or isinstance(k, bool):
-        raise ValueError(f"algorithm.loss_kwargs.topk: a whole number of tokens, got {k!r}")
+        raise ValueError(f"algorithm.loss.kwargs.topk: a whole number of tokens, got {k!r}")
     return k
 
 
@@ -73,36 +73,37 @@ def _probe(
 
 def check_algorithm(algo: Any) -> None:
     """Validate an ``AlgorithmConfig``; raise ValueError with a one-line message naming the key."""
-    ADVANTAGES.check(algo.advantage, key="algorithm.advantage")
-    LOSSES.check(algo.loss, key="algorithm.loss")
-    adv_fn, loss_fn = ADVANTAGES[algo.advantage], LOSSES[algo.loss]
-    adv_what, loss_what = f"advantage estimator '{algo.advantage}'", f"policy loss '{algo.loss}'"
-    check_kwargs(adv_fn, algo.advantage_kwargs, ADVANTAGE_ARGS, "algorithm.advantage_kwargs", adv_what)
+    adv, loss = algo.advantage, algo.loss
+    ADVANTAGES.check(adv.estimator, key="algorithm.advantage")
+    LOSSES.check(loss.name, key="algorithm.loss")
+    adv_fn, loss_fn = ADVANTAGES[adv.estimator], LOSSES[loss.name]
+    adv_what, loss_what = f"advantage estimator '{adv.estimator}'", f"policy loss '{loss.name}'"
+    check_kwargs(adv_fn, adv.kwargs, ADVANTAGE_ARGS, "algorithm.advantage.kwargs", adv_what)
     check_loss_signature(loss_fn, loss_what)
-    check_kwargs(loss_fn, algo.loss_kwargs, LOSS_ARGS, "algorithm.loss_kwargs", loss_what)
+    check_kwargs(loss_fn, loss.kwargs, LOSS_ARGS, "algorithm.loss.kwargs", loss_what)
     rewards, groups = torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.tensor([0, 0, 1, 1])
-    _probe(adv_fn, (rewards, groups), {}, algo.advantage_kwargs, "algorithm.advantage_kwargs", adv_what)
+    _probe(adv_fn, (rewards, groups), {}, adv.kwargs, "algorithm.advantage.kwargs", adv_what)
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
-    topk = anchor_topk_size(loss_fn, algo.loss_kwargs) > 0  # then a 3-token vocabulary, the anchor's top 1
+    topk = anchor_topk_size(loss_fn, loss.kwargs) > 0  # then a 3-token vocabulary, the anchor's top 1
     inputs = PolicyLossInputs(
-        logp, logp - 0.1, torch.tensor([1.0, -1.0]), torch.ones(2, 2), algo.clip_low, algo.clip_high,
-        algo.loss_agg, 4.0, behaviour_logp=logp - 0.2,
+        logp, logp - 0.1, torch.tensor([1.0, -1.0]), torch.ones(2, 2), loss.clip_low, loss.clip_high,
+        loss.agg, 4.0, behaviour_logp=logp - 0.2,
         logits=torch.log(torch.tensor([0.5, 0.3, 0.2])).expand(2, 2, 3) if topk else None,
         anchor_topk=(torch.zeros(2, 2, 1, dtype=torch.long), torch.full((2, 2, 1), math.log(0.4))) if topk else None,
     )
-    _probe(loss_fn, (inputs,), {}, algo.loss_kwargs, "algorithm.loss_kwargs", loss_what)
+    _probe(loss_fn, (inputs,), {}, loss.kwargs, "algorithm.loss.kwargs", loss_what)
     check_correction(algo)
 
 
 def check_correction(algo: Any) -> None:
-    """``algorithm.off_policy_kwargs`` fit the correction named by ``algorithm.off_policy``."""
-    key = "algorithm.off_policy_kwargs"
-    if algo.off_policy not in CORRECTIONS:
-        if algo.off_policy_kwargs:
-            raise ValueError(f"{key}: off_policy '{algo.off_policy}' takes no kwargs (its settings are "
-                             f"algorithm.tis_cap / algorithm.m2po_tau)")
+    """``algorithm.off_policy.kwargs`` fit the correction named by ``algorithm.off_policy.correction``."""
+    key, off = "algorithm.off_policy.kwargs", algo.off_policy
+    if off.correction not in CORRECTIONS:
+        if off.kwargs:
+            raise ValueError(f"{key}: off_policy '{off.correction}' takes no kwargs (its settings are "
+                             f"algorithm.off_policy.tis_cap / algorithm.off_policy.m2po_tau)")
         return
-    fn, what = CORRECTIONS[algo.off_policy], f"off-policy correction '{algo.off_policy}'"
-    check_kwargs(fn, algo.off_policy_kwargs, CORRECTION_ARGS, key, what)
+    fn, what = CORRECTIONS[off.correction], f"off-policy correction '{off.correction}'"
+    check_kwargs(fn, off.kwargs, CORRECTION_ARGS, key, what)
     logp = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]])
-    _probe(fn, (logp, logp - 0.1, torch.ones(2, 2)), {}, algo.off_policy_kwargs, key, what)
+    _probe(fn, (logp, logp - 0.1, torch.ones(2, 2)), {}, off.kwargs, key, what)

@@ -14,6 +14,21 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from polyrl.config.algorithm import (
+    MOVED_ALGORITHM_KEYS,
+    SHORTHANDS,
+    AdvantageConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    GradientsConfig,
+    LossConfig,
+    OffPolicyConfig,
+    RegularisersConfig,
+    RewardGateConfig,
+    SamplingConfig,
+    ShapingConfig,
+    merge_algorithm,
+)
 from polyrl.config.base import ConfigError, _Strict
 from polyrl.config.features import (
     AgentsConfig,
@@ -31,7 +46,6 @@ from polyrl.config.features import (
     check_curriculum,
 )
 from polyrl.config.sections import (
-    AlgorithmConfig,
     CrossPolicyConfig,
     EngineConfig,
     EvalConfig,
@@ -50,30 +64,40 @@ from polyrl.config.sections import (
 )
 
 __all__ = [
+    "MOVED_ALGORITHM_KEYS",
+    "AdvantageConfig",
     "AgentsConfig",
     "AlgorithmConfig",
     "ArpoConfig",
     "Config",
     "ConfigError",
+    "CriticConfig",
     "CrossPolicyConfig",
     "CurriculumConfig",
     "EarlyStopConfig",
     "EngineConfig",
     "EvalConfig",
+    "GradientsConfig",
     "GuidanceConfig",
     "LearnerConfig",
     "LoggingConfig",
     "LoraConfig",
+    "LossConfig",
     "ModelConfig",
     "MonitorsConfig",
+    "OffPolicyConfig",
     "OptimConfig",
     "PhaseConfig",
     "PipelineConfig",
     "PromptSelectionConfig",
+    "RegularisersConfig",
     "ReplayConfig",
     "RewardComponentConfig",
+    "RewardGateConfig",
     "RolloutConfig",
     "RuntimeConfig",
+    "SamplingConfig",
+    "ShapingConfig",
     "StageConfig",
     "StepCreditConfig",
     "TaskConfig",
@@ -82,6 +106,7 @@ __all__ = [
     "apply_override",
     "component_names",
     "dump_config",
+    "merge_algorithm",
     "parse_config",
 ]
 
@@ -125,16 +150,20 @@ class Config(_Strict):
                     raise ValueError(f"stages.{i}.{key}: unknown task '{unknown[0]}'; tasks: {', '.join(names)}")
             for key, section, overrides in (("algorithm", self.algorithm, stage.algorithm),
                                             ("rollout", self.rollout, stage.rollout)):
+                base = section.model_dump()
+                merged = (merge_algorithm(base, overrides, f"stages.{i}.algorithm") if key == "algorithm"
+                          else {**base, **overrides})
                 try:
-                    type(section).model_validate({**section.model_dump(), **overrides})
+                    type(section).model_validate(merged)
                 except ValidationError as err:
                     first = err.errors()[0]
                     where = ".".join(str(p) for p in first["loc"])
                     msg = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
                     msg = msg.removeprefix("Value error, ")
                     raise ValueError(f"stages.{i}.{key}{'.' + where if where else ''}: {msg}") from None
-        if not self.stages and self.algorithm.distill_coef > 0 and not any(t.teacher for t in self.tasks):
-            raise ValueError("algorithm.distill_coef: > 0 but no tasks[].teacher is set")
+        distill = self.algorithm.regularisers.distill_coef
+        if not self.stages and distill > 0 and not any(t.teacher for t in self.tasks):
+            raise ValueError("algorithm.regularisers.distill_coef: > 0 but no tasks[].teacher is set")
         return self
 
     @model_validator(mode="after")
@@ -151,9 +180,9 @@ class Config(_Strict):
             if self.runtime.kind != "local":  # its state lives where rollouts are drawn, not in checkpoints yet
                 raise ValueError(f"curriculum: needs runtime.kind: local (got {self.runtime.kind})")
         algo, rollout = self.algorithm, self.rollout
-        if algo.overlong_buffer > rollout.max_new_tokens:
+        if algo.shaping.overlong_buffer > rollout.max_new_tokens:
             raise ValueError(
-                f"algorithm.overlong_buffer: {algo.overlong_buffer} is longer than "
+                f"algorithm.shaping.overlong_buffer: {algo.shaping.overlong_buffer} is longer than "
                 f"rollout.max_new_tokens ({rollout.max_new_tokens})"
             )
         arpo = self.agents.arpo
@@ -185,9 +214,9 @@ class Config(_Strict):
         if self.guidance.hint_fraction > 0 and engines_of(self) == "disaggregated":  # they get task names only
             raise ValueError("guidance.hint_fraction: hinted prompts are rolled out where the step is drawn; "
                              "disaggregated Ray workers rebuild each task by name; use colocated engines")
-        if algo.dynamic_sampling and rollout.group_size < 2:
+        if algo.sampling.dynamic and rollout.group_size < 2:
             raise ValueError(
-                "algorithm.dynamic_sampling: needs rollout.group_size >= 2 (a group of one never varies)"
+                "algorithm.sampling.dynamic: needs rollout.group_size >= 2 (a group of one never varies)"
             )
         return self
 
@@ -212,14 +241,14 @@ class Config(_Strict):
             if len(set(names)) < len(names):
                 raise ValueError(f"tasks.{i}.reward_components: two components named "
                                  f"'{next(n for n in names if names.count(n) > 1)}'; give each its own name")
-        gate = self.algorithm.reward_gate
+        gate = self.algorithm.advantage.reward_gate
         if gate is None:
             return self
-        shaping = ["overlong"] if self.algorithm.overlong_buffer > 0 else []
+        shaping = ["overlong"] if self.algorithm.shaping.overlong_buffer > 0 else []
         for task in self.tasks:
             names = component_names(task.reward_components) if task.reward_components else [task.name]
             if gate.outcome not in names:
-                raise ValueError(f"algorithm.reward_gate.outcome: task '{task.name}' has no reward "
+                raise ValueError(f"algorithm.advantage.reward_gate.outcome: task '{task.name}' has no reward "
                                  f"'{gate.outcome}'; its rewards: {', '.join(names + shaping)}")
         return self
 
@@ -244,8 +273,18 @@ def _parse_value(text: str) -> Any:
     return yaml.safe_load(text) if text != "" else ""
 
 
+def _shorthand(parts: list[str], depth: int) -> str | None:
+    """The key a bare name stands for when ``parts[depth]`` is a sub-section of ``algorithm`` that takes one
+    (``algorithm.loss: gspo`` is ``algorithm.loss.name: gspo``; also in ``stages.N.algorithm``), else None."""
+    return SHORTHANDS.get(parts[depth]) if depth > 0 and parts[depth - 1] == "algorithm" else None
+
+
 def apply_override(data: dict[str, Any], dotted: str) -> None:
-    """Apply ``a.b.c=value`` to a nested dict; list items are addressed by index (``tasks.0.name=x``)."""
+    """Apply ``a.b.c=value`` to a nested dict; list items are addressed by index (``tasks.0.name=x``).
+
+    An algorithm sub-section written as a bare name (``loss: gspo``) is written out when a key below it is set
+    (``algorithm.loss.clip_high=0.28``), and a bare name set over a written-out one (``algorithm.loss=cispo``)
+    changes only its name."""
     if "=" not in dotted:
         raise ConfigError(f"override '{dotted}': expected key=value")
     key, _, raw = dotted.partition("=")
@@ -260,6 +299,8 @@ def apply_override(data: dict[str, Any], dotted: str) -> None:
             if not isinstance(node, dict | list):
                 raise ConfigError(f"override '{key}': '{where}' is a value, not a section")
         else:
+            if isinstance(node.get(part), str) and (name := _shorthand(parts, depth)):
+                node[part] = {name: node[part]}
             node = node.setdefault(part, {})
             if not isinstance(node, dict | list):
                 raise ConfigError(f"override '{key}': '{where}' is a value, not a section")
@@ -272,6 +313,8 @@ def apply_override(data: dict[str, Any], dotted: str) -> None:
         if not last.isdigit() or int(last) >= len(node):
             raise ConfigError(f"override '{key}': '{last}' is not an index of the list")
         node[int(last)] = value
+    elif isinstance(value, str) and isinstance(node.get(last), dict) and (name := _shorthand(parts, len(parts) - 1)):
+        node[last] = {**node[last], name: value}
     else:
         node[last] = value
 

@@ -186,7 +186,8 @@ class StageConfig(_Strict):
     max_new_tokens: int | None = Field(None, gt=0)
     """Overrides rollout.max_new_tokens."""
     algorithm: dict[str, Any] = {}
-    """Overrides of ``algorithm`` keys for this stage, e.g. ``{advantage: rloo, kl_coef: 0.01}``."""
+    """Overrides of ``algorithm`` keys for this stage, e.g. ``{advantage: rloo, regularisers: {kl_coef: 0.01}}``:
+    a sub-section changes only the keys it names (``loss: gspo`` only the loss's name)."""
     rollout: dict[str, Any] = {}
     """Overrides of ``rollout`` keys for this stage, e.g. ``{prompts_per_step: 8, group_size: 2}``: a distill
     stage needs no groups to compare rewards in, so more distinct prompts for the same samples."""

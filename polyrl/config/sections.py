@@ -1,5 +1,5 @@
-"""The core sections of an experiment: model, engine, tasks, rollout, algorithm, optimiser, eval, training,
-logging."""
+"""The core sections of an experiment: model, engine, tasks, rollout, optimiser, eval, training, logging
+(``algorithm`` has its own module, ``config/algorithm.py``)."""
 
 from __future__ import annotations
 
@@ -246,7 +246,7 @@ class TaskConfig(_Strict):
         return data
     teacher: str | None = None
     """On-policy distillation teacher for this task: an alias or HF model directory (a checkpoint works),
-    used when algorithm.distill_coef > 0. In a pipeline, stages[].teachers can name ``best`` instead."""
+    used when algorithm.regularisers.distill_coef > 0. In a pipeline, stages[].teachers can name ``best`` instead."""
 
 
 class CrossPolicyConfig(_Strict):
@@ -286,151 +286,6 @@ class RolloutConfig(_Strict):
     is off."""
     prompt_selection: PromptSelectionConfig | None = None
     """Draw more prompts than needed and keep those predicted to give mixed groups (MoPPS); unset is off."""
-
-
-class RewardGateConfig(_Strict):
-    """Gated shaping (``algorithm.reward_gate``): shaping pays only when the outcome passes a threshold."""
-
-    outcome: str
-    """The outcome reward component, a key of the trajectories' rewards: ``env`` (or ``judge``) with
-    tasks[].reward_components, else the task's name."""
-    threshold: float = 1.0
-    """Below this outcome, the gated components' positive parts are withheld."""
-    gated: list[str] = []
-    """The components gated; empty: every component but ``outcome`` (e.g. ``overlong``, a judge's score)."""
-
-
-class CriticConfig(_Strict):
-    """PPO's critic (``algorithm.critic``): a value head on the policy's final hidden states, and advantages by
-    GAE (Schulman et al. 2016) from its values instead of a sample-level estimator."""
-
-    gamma: float = Field(1.0, ge=0, le=1)
-    """GAE's discount."""
-    lam: float = Field(0.95, ge=0, le=1)
-    """GAE's lambda: 1 is Monte-Carlo returns minus the value, 0 is one-step TD."""
-    lr: float = Field(1e-3, gt=0)
-    """Learning rate of the value head; it learns from scratch, so faster than the policy."""
-    clip: float | None = Field(0.2, gt=0)
-    """PPO value clipping range; null is the plain squared error."""
-    width: int = Field(128, gt=0)
-    """Hidden width of the value head's MLP."""
-
-
-MOVED_ALGORITHM_KEYS = {"gamma": "critic.gamma", "lam": "critic.lam", "value_lr": "critic.lr",
-                        "value_clip": "critic.clip", "value_width": "critic.width"}
-"""Keys that left ``algorithm``'s top level, and where each lives now."""
-
-
-class AlgorithmConfig(_Strict):
-    """The objective: advantage estimator, policy loss, KL, and DAPO sampling/shaping (docs/algorithms.md)."""
-
-    advantage: str = "grpo"
-    """Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, maxrl (group mean as the
-    scale), gdpo (each reward component normalised in its group, then summed), or one registered with
-    ``@ADVANTAGES.register``. Not used with a ``critic``, whose values give the advantages (GAE)."""
-    advantage_kwargs: dict[str, Any] = {}
-    """Extra keyword arguments for the estimator, e.g. ``{eps: 1.0e-6}`` for grpo."""
-    loss: str = "ppo_clip"
-    """Policy loss: ppo_clip, dual_clip, gspo, cispo, dppo (divergence trust region; clip_low/clip_high are its
-    size), sapo (soft gate), or one registered with ``@LOSSES.register``."""
-    loss_kwargs: dict[str, Any] = {}
-    """Extra keyword arguments for the loss, e.g. ``{c: 3.0}`` for dual_clip."""
-    clip_low: float = Field(0.2, ge=0)
-    """Lower clip range: the ratio is clipped at 1 - clip_low (gspo: about 3e-4)."""
-    clip_high: float = Field(0.2, ge=0)
-    """Upper clip range: 1 + clip_high; DAPO's clip-higher raises it (0.28) to keep exploration."""
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    """How token losses become one number: token-mean (DAPO), seq-mean-token-mean (GRPO, GSPO),
-    seq-mean-token-sum (Dr.GRPO)."""
-    kl_coef: float = Field(0.0, ge=0)
-    """Weight of the KL penalty to the initial policy; 0 is no penalty."""
-    kl_in: Literal["loss", "reward"] = "loss"
-    """Where the KL penalty goes: a loss term, or -kl_coef * KL per token in the reward (then advantages are
-    per token)."""
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (Schulman 2020): k1 = log(pi/ref), k2 = log(pi/ref)^2 / 2, k3 = ratio - 1 - log ratio."""
-    track_kl: bool = True
-    """Measure KL to the reference even when kl_coef is 0 (one extra no-grad forward per step)."""
-    entropy_coef: float = 0.0
-    """Entropy bonus weight (positive rewards higher entropy)."""
-    epochs: int = Field(1, gt=0)
-    """Optimisation passes over each rollout batch; 1 is strictly on-policy."""
-    critic: CriticConfig | None = None
-    """PPO with a critic: present (``critic: {}`` for its defaults) means GAE advantages from a value head."""
-    dynamic_sampling: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards are all equal and draw more prompts to refill."""
-    max_extra_rounds: int = Field(3, ge=0)
-    """With dynamic_sampling, at most this many extra rollout rounds per step."""
-    overlong_buffer: int = Field(0, ge=0)
-    """DAPO soft overlong penalty over the last this-many tokens before rollout.max_new_tokens; 0 is off."""
-    overlong_penalty: float = Field(1.0, ge=0)
-    """Scale of the overlong penalty (it ramps from 0 to -overlong_penalty)."""
-    mask_truncated: bool = False
-    """Leave samples cut off at max_new_tokens out of the loss (DAPO overlong filtering)."""
-    task_norm: bool = False
-    """AgentRL task-advantage normalisation: after the estimator, normalise advantages to mean 0 and std 1
-    within each task of the batch, so tasks with larger reward spreads do not dominate the update."""
-    pg_coef: float = Field(1.0, ge=0)
-    """Weight of the policy-gradient loss; distill stages set it to 0 (pure on-policy distillation)."""
-    distill_coef: float = Field(0.0, ge=0)
-    """Weight of the per-token reverse KL to each task's teacher (tasks[].teacher, docs/multidomain.md);
-    0 is off."""
-    off_policy: Literal["none", "decoupled", "tis", "m2po", "mis", "icepop", "geo_mask", "prob_mask"] = "none"
-    """Correction for tokens sampled by an older policy (async runtimes, partial rollouts; docs/systems.md).
-    none: the ratio is to the policy at the update's start and the behaviour log-probs go unused. decoupled:
-    AReaL's decoupled PPO, ratio to the proximal policy (the learner's weights at the update's start,
-    log-probs recomputed) times the weight pi_prox / pi_behaviour. tis: the same weight truncated at
-    ``tis_cap`` (Yao et al. 2025). m2po: ratio to the behaviour policy, tokens masked by M2PO's second-moment
-    bound ``m2po_tau`` (Zheng et al. 2025). The engine/learner mismatch corrections, ratio to the proximal
-    policy, settings in ``off_policy_kwargs``: mis: sequence-level truncated IS, min(pi_prox(y) / mu(y), cap)
-    per sequence ({cap: 2.0, drop: false}; drop masks the sequence instead). icepop: token weight r_t inside
-    [alpha, beta], 0 outside ({alpha: 0.5, beta: 5.0}). geo_mask: sequences whose geometric-mean ratio leaves
-    [low, high] masked ({low: 0.99, high: 1.01}). prob_mask: tokens with |pi_prox(y_t) - mu(y_t)| > eps
-    masked ({eps: 0.2})."""
-    off_policy_kwargs: dict[str, Any] = {}
-    """Settings of the mis, icepop, geo_mask and prob_mask corrections (see off_policy)."""
-    mismatch_band: float = Field(0.2, gt=0)
-    """Band of the always-logged ``mismatch/beyond_band_frac``: the fraction of tokens whose ratio between
-    the learner's and the engine's probability leaves [1 - band, 1 + band]."""
-    reward_gate: RewardGateConfig | None = None
-    """Gated shaping, e.g. ``{outcome: env, threshold: 1.0, gated: [judge]}``: a trajectory whose ``outcome``
-    component is below the threshold keeps only the negative part of each gated component; null is off."""
-    gradient_surgery: Literal["none", "pcgrad"] = "none"
-    """pcgrad: each task's gradient is projected off the other tasks' gradients it conflicts with (Yu et al.
-    2020), at the cost of one forward and backward pass per task of the batch. The task_grad/ metrics are then
-    logged every step."""
-    task_grad_every: int = Field(0, ge=0)
-    """Every this many steps, log each task's gradient norm (task_grad/norm/<task>) and the cosine between
-    every two tasks' gradients (task_grad/cos/<a>/<b>), from one pass per task; 0 is off."""
-    tis_cap: float = Field(2.0, gt=0)
-    """Truncation C of the importance weight min(pi_prox / pi_behaviour, C) (off_policy: tis)."""
-    m2po_tau: float = Field(0.04, ge=0)
-    """M2PO's bound on the mean squared log importance ratio of the kept tokens (off_policy: m2po)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse_moved_keys(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        for old, new in MOVED_ALGORITHM_KEYS.items():
-            if old in data:
-                raise ValueError(f"algorithm.{old}: moved to algorithm.{new}")
-        if data.get("advantage") == "gae":
-            raise ValueError("algorithm.advantage: gae is declared as a critic now: algorithm.critic: {} (or "
-                             "{gamma: 1.0, lam: 0.95, lr: 1.0e-3, clip: 0.2, width: 128}); its presence means GAE")
-        return data
-
-    @model_validator(mode="after")
-    def _check_critic(self) -> AlgorithmConfig:
-        if self.critic is None:
-            return self
-        if self.task_norm:
-            raise ValueError("algorithm.task_norm: needs a sample-level estimator; with a critic the advantages "
-                             "come from its values per token")
-        if self.advantage != type(self).model_fields["advantage"].default:  # a dumped config holds the default
-            raise ValueError(f"algorithm.advantage: '{self.advantage}' is a sample-level estimator, and "
-                             "algorithm.critic makes the advantages from its values: keep one of the two")
-        return self
 
 
 class OptimConfig(_Strict):

@@ -27,21 +27,21 @@ from polyrl.types import Trajectory
 
 
 def assign_advantages(trajectories: list[Trajectory], algo: AlgorithmConfig, agents: AgentsConfig) -> dict[str, float]:
-    """Set each trajectory's advantage: ``algo.advantage`` over the rewards (or reward components) and group
-    ids (with a critic, the outcome reward itself, from which the learner's GAE makes per-token advantages),
-    normalised within each task when ``algo.task_norm``; then per-turn credit (``agents.step_credit``)
-    and ARPO's shared-prefix attribution (``agents.arpo``), which set ``token_advantages``. Returns
-    ``arpo/branch_leaves`` (leaves that were branches) when ARPO is on."""
+    """Set each trajectory's advantage: ``algo.advantage.estimator`` over the rewards (or reward components) and
+    group ids (with a critic, the outcome reward itself, from which the learner's GAE makes per-token
+    advantages), normalised within each task when ``algo.advantage.task_norm``; then per-turn credit
+    (``agents.step_credit``) and ARPO's shared-prefix attribution (``agents.arpo``), which set
+    ``token_advantages``. Returns ``arpo/branch_leaves`` (leaves that were branches) when ARPO is on."""
     if trajectories:
         rewards = torch.tensor([t.reward for t in trajectories], dtype=torch.float32)
-        if algo.advantage in MULTI_REWARD:
+        if algo.advantage.estimator in MULTI_REWARD:
             rewards = reward_components(trajectories)
         groups = torch.tensor([t.group_id for t in trajectories])
         if algo.critic is not None:  # the outcome reward, unchanged: the learner's GAE propagates it per token
             advantages = rewards.clone()
         else:
-            advantages = ADVANTAGES[algo.advantage](rewards, groups, **algo.advantage_kwargs)
-        if algo.task_norm:
+            advantages = ADVANTAGES[algo.advantage.estimator](rewards, groups, **algo.advantage.kwargs)
+        if algo.advantage.task_norm:
             names = sorted({t.task for t in trajectories})
             advantages = task_normalise(advantages, torch.tensor([names.index(t.task) for t in trajectories]))
         for t, a in zip(trajectories, advantages.tolist(), strict=True):
@@ -95,7 +95,7 @@ def token_advantages(
     """The advantages of micro-batch ``mb`` from its episode advantages (``mb.advantages``), its rewards and
     the learner's no-grad quantities: ``old_logp`` (the policy at the update's start), ``ref_logp`` (the KL
     reference's, when kept), ``old_values`` (the critic's, for GAE) and ``cross`` ([B] bool, rows another
-    policy sampled). Under ``algo.off_policy`` none, cross-policy rows are weighted by min(pi_old / mu,
+    policy sampled). Under ``algo.off_policy.correction`` none, cross-policy rows are weighted by min(pi_old / mu,
     ``cross_cap``) and replayed rows by min(pi_old / mu, ``replay_cap``) (truncated IS, Yao et al. 2025);
     otherwise the correction (``algorithms/corrections.py``) treats every row. Reference rows (``mb.guided``)
     leave the policy loss's mask for ``guided_mask`` with their advantages as the group gave them."""
@@ -106,18 +106,19 @@ def token_advantages(
         reference_advantages = advantages
         mb = dataclasses.replace(mb, loss_mask=mb.loss_mask * ~mb.guided[:, None])
     metrics: dict[str, float] = {}
-    if algo.off_policy == "none" and bool(cross.any()):
+    off = algo.off_policy
+    if off.correction == "none" and bool(cross.any()):
         advantages, metrics = cross_policy_advantages(mb, cross, old_logp, advantages, cross_cap)
-    if algo.off_policy == "none" and bool(mb.replayed.any()):  # stored samples of an older policy (data/replay.py)
+    if off.correction == "none" and bool(mb.replayed.any()):  # stored samples of an older policy (data/replay.py)
         w = truncated_importance_weight(old_logp, mb.behaviour_logp, replay_cap)
         w = torch.where(mb.replayed[:, None], w, torch.ones_like(w))
         advantages = (advantages[:, None] if advantages.dim() == 1 else advantages) * w
-    if algo.off_policy == "none":
+    if off.correction == "none":
         pg_mask, ratio_logp = mb.loss_mask, old_logp
     else:
         ratio_logp, advantages, pg_mask, off_metrics = correct_off_policy(
-            algo.off_policy, old_logp, mb.behaviour_logp, advantages, mb.loss_mask, algo.tis_cap, algo.m2po_tau,
-            algo.off_policy_kwargs)
+            off.correction, old_logp, mb.behaviour_logp, advantages, mb.loss_mask, off.tis_cap, off.m2po_tau,
+            off.kwargs)
         metrics.update(off_metrics)
     if guided_mask is not None:
         advantages = _with_rows(advantages, reference_advantages, mb.guided, mb.loss_mask.shape)
@@ -140,19 +141,19 @@ def _reward_advantages(
     ref_logp: torch.Tensor | None,
     old_values: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The episode advantages with the KL penalty in the reward (``kl_in: reward``), or GAE's (Schulman et al.
-    2016) from the critic's ``old_values`` over the terminal reward; and GAE's returns."""
-    kl = None
-    if algo.kl_in == "reward" and algo.kl_coef > 0 and ref_logp is not None:
-        kl = kl_estimate(old_logp, ref_logp, algo.kl_estimator).detach()
+    """The episode advantages with the KL penalty in the reward (``regularisers.kl_in: reward``), or GAE's
+    (Schulman et al. 2016) from the critic's ``old_values`` over the terminal reward; and GAE's returns."""
+    kl, reg = None, algo.regularisers
+    if reg.kl_in == "reward" and reg.kl_coef > 0 and ref_logp is not None:
+        kl = kl_estimate(old_logp, ref_logp, reg.kl_estimator).detach()
     if old_values is None:
         if kl is None:
             return mb.advantages, None
         per_token = mb.advantages if mb.advantages.dim() == 2 else mb.advantages[:, None]
-        return per_token + kl_penalty_to_go(kl, mb.loss_mask, algo.kl_coef), None
+        return per_token + kl_penalty_to_go(kl, mb.loss_mask, reg.kl_coef), None
     token_rewards = terminal_rewards(rewards, mb.loss_mask)
     if kl is not None:
-        token_rewards = token_rewards - algo.kl_coef * kl * mb.loss_mask
+        token_rewards = token_rewards - reg.kl_coef * kl * mb.loss_mask
     advantages = gae(token_rewards, old_values, mb.loss_mask, algo.critic.gamma, algo.critic.lam)
     return advantages, advantages + old_values
 

@@ -78,7 +78,7 @@ class Learner:
         fsdp: bool | None = None,
     ) -> None:
         """``total_steps`` is the run's length, over which a decaying learning-rate schedule reaches 0;
-        ``teachers`` maps a task name to its frozen distillation teacher (``algo.distill_coef`` weighs it).
+        ``teachers`` maps a task name to its frozen distillation teacher (``regularisers.distill_coef`` weighs it).
         In a process group of several ranks (``parallel/group.py``) the policy and the KL reference are
         sharded with FSDP2 as ``sharding`` says, and each update trains this rank's share of the batch.
         ``fsdp=True`` shards under a process group of one rank too (the GPU check runs FSDP2 on one GPU);
@@ -96,8 +96,8 @@ class Learner:
         self.ranks = current()
         self.device = next(model.parameters()).device
         self.is_lora = hasattr(model, "disable_adapter")
-        self.wants_reference = algo.kl_coef > 0 or algo.track_kl
-        self.anchor_topk = anchor_topk_size(LOSSES[algo.loss], algo.loss_kwargs)
+        self.wants_reference = algo.regularisers.kl_coef > 0 or algo.regularisers.track_kl
+        self.anchor_topk = anchor_topk_size(LOSSES[algo.loss.name], algo.loss.kwargs)
         # The KL reference: with LoRA, the same weights with adapters off; otherwise a frozen copy.
         self.ref_model = None
         if self.wants_reference and not self.is_lora:
@@ -153,7 +153,7 @@ class Learner:
         return (self.ref_pass or self.policy_pass)(batch, reference=True)[0]
 
     def update(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        """One optimisation round (``algo.epochs`` passes over the batch, one optimizer step each)."""
+        """One optimisation round (``algo.loss.epochs`` passes over the batch, one optimizer step each)."""
         algo = self.algo
         self.model.train()
         # Micro-batches hold whole groups of similar prompt length, then similar response lengths: each pads
@@ -164,17 +164,18 @@ class Learner:
             trajectories, key=lambda t: (p := t.prompt_len, t.group_id, len(t.input_ids) - p)
         )
         batch = collate(trajectories, self.pad_id)  # on the host: its checks and slicing read no device
-        if algo.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward misjudges its tokens
+        if algo.loss.mask_truncated:  # DAPO overlong filtering: a cut-off answer's reward misjudges its tokens
             keep = torch.tensor([not t.truncated for t in trajectories], dtype=batch.loss_mask.dtype)
             batch.loss_mask = batch.loss_mask * keep[:, None]
         if self._gradient_is_zero(batch):
             return self._step_on_zero_gradient()
-        plan, metrics = self._plan(trajectories, batch), UpdateMetrics(algo.epochs)
+        plan, metrics = self._plan(trajectories, batch), UpdateMetrics(algo.loss.epochs)
         task_names = sorted({t.task for t in trajectories})
-        per_task = len(task_names) > 1 and (algo.gradient_surgery != "none" or (
-            algo.task_grad_every > 0 and self.scheduler.last_epoch % algo.task_grad_every == 0))
+        grads_cfg = algo.gradients
+        per_task = len(task_names) > 1 and (grads_cfg.surgery != "none" or (
+            grads_cfg.task_grad_every > 0 and self.scheduler.last_epoch % grads_cfg.task_grad_every == 0))
         task_metrics: dict[str, float] = {}
-        for epoch in range(algo.epochs):
+        for epoch in range(algo.loss.epochs):
             self.optimizer.zero_grad(set_to_none=True)
             if per_task:  # the passes once per task, then the tasks' gradients combined (learner/task_gradients.py)
                 grads = []
@@ -182,7 +183,7 @@ class Learner:
                     rows = torch.tensor([float(t.task == name) for t in trajectories], device=self.device)
                     self._passes(plan, metrics, epoch, rows, len(task_names))
                     grads.append(take_local_grads(self.params))
-                combined, tm = combine(task_names, grads, algo.gradient_surgery, self.scheduler.last_epoch)
+                combined, tm = combine(task_names, grads, algo.gradients.surgery, self.scheduler.last_epoch)
                 put_local_grads(self.params, combined)
                 task_metrics = task_metrics or tm  # the first epoch's: the gradients of the batch as sampled
             else:
@@ -205,7 +206,7 @@ class Learner:
             chunks = [c.to(self.device) for c in chunks]
         ref = [self._reference_logprobs(mb) for mb in micro_batches] if self.wants_reference else None
         old = old_topk = None
-        if self.algo.epochs > 1:  # several passes need the pre-update log-probs (and values) fixed up front
+        if self.algo.loss.epochs > 1:  # several passes need the pre-update log-probs (and values) fixed up front
             with torch.no_grad():
                 passes = list(map(self._forward, micro_batches))
             old = [(f[0], f[2]) for f in passes]
@@ -231,9 +232,9 @@ class Learner:
             if rows is not None:  # one task's passes: the other tasks' rows count for nothing
                 mb = dataclasses.replace(mb, loss_mask=mb.loss_mask * rows[c][:, None])
             # token-mean shares the global token count; the seq-mean modes weight by sequences.
-            share = 1.0 if algo.loss_agg == "token-mean" else mb.targets.shape[0] / plan.n_rows
+            share = 1.0 if algo.loss.agg == "token-mean" else mb.targets.shape[0] / plan.n_rows
             share *= plan.real[k]
-            logp, entropy, values, logits = self._forward(mb, entropy_grad=algo.entropy_coef != 0)
+            logp, entropy, values, logits = self._forward(mb, entropy_grad=algo.regularisers.entropy_coef != 0)
             old_logp, old_values = plan.old[k] if plan.old is not None else (logp.detach(), detach(values))
             ref_logp = plan.ref[k] if plan.ref is not None else None
             anchor_topk = None
@@ -243,7 +244,8 @@ class Learner:
                                           self.is_cap, self.replay_is_cap)
             if epoch == 0 and plan.real[k]:  # another model's rows (cross-policy) are no engine mismatch
                 own = mb.loss_mask * ~(plan.cross[c] | mb.guided)[:, None]
-                add_sums(metrics.mismatch, mismatch_sums(old_logp, mb.behaviour_logp, own, algo.mismatch_band))
+                band = algo.off_policy.mismatch_band
+                add_sums(metrics.mismatch, mismatch_sums(old_logp, mb.behaviour_logp, own, band))
             teacher_logits, teacher_rows = self._teacher_logits(mb, logits, [plan.tasks[i] for i in c.tolist()])
             x = LossInputs(mb, logp, entropy, values, logits, ref_logp, old_values, advantages, teacher_logits,
                            teacher_rows, plan.num_tokens, share, anchor_topk, self.shaping_gamma)
@@ -253,7 +255,7 @@ class Learner:
             if plan.real[k]:
                 metrics.add_pass(float(loss.detach()), {key: v for t in terms for key, v in t.logged.items()},
                                  {**advantages.metrics, **{key: v for t in terms for key, v in t.metrics.items()}},
-                                 algo.epochs * plan.real_total * n_passes)
+                                 algo.loss.epochs * plan.real_total * n_passes)
 
     def _optimizer_step(self, metrics: UpdateMetrics) -> None:
         """Clip the gradients and step, unless they are not finite (a NaN/inf must not reach the weights)."""
@@ -298,16 +300,17 @@ class Learner:
         reach this often late in training, when every group agrees."""
         algo = self.algo
         return (
-            algo.loss in ADVANTAGE_WEIGHTED and not bool(batch.advantages.any()) and algo.entropy_coef == 0
+            algo.loss.name in ADVANTAGE_WEIGHTED and not bool(batch.advantages.any())
+            and algo.regularisers.entropy_coef == 0
             and not self.wants_reference and self.value_head is None
-            and not (self.teachers and algo.distill_coef > 0)
+            and not (self.teachers and algo.regularisers.distill_coef > 0)
         )
 
     def _step_on_zero_gradient(self) -> dict[str, float]:
         """The update of a batch whose gradient is exactly 0 (``_gradient_is_zero``), without the forward and
         backward passes that would compute it: the optimizer steps on zero gradients as it would have (AdamW's
         moments decay and the momentum still moves the weights). The entropy is not measured."""
-        for _ in range(self.algo.epochs):
+        for _ in range(self.algo.loss.epochs):
             for p in self.params:
                 p.grad = torch.zeros_like(p)
             self.optimizer.step()
@@ -321,7 +324,7 @@ class Learner:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Policy log-probs, entropy, the value of each response position when there is a critic, and the
         logits when distillation or the loss's top-k divergence needs them (``PolicyPass``)."""
-        distilling = bool(self.teachers) and self.algo.distill_coef > 0
+        distilling = bool(self.teachers) and self.algo.regularisers.distill_coef > 0
         return self.policy_pass(batch, entropy_grad, logits=distilling or self.anchor_topk > 0)
 
     def _topk(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,7 +339,7 @@ class Learner:
         """Each row's task teacher's logits on the same tokens under the same temperature (multi-teacher
         on-policy distillation), zeros on rows whose task has no teacher; and 1 per row that has one. Both
         None when not distilling."""
-        if logits is None or not (self.teachers and self.algo.distill_coef > 0):
+        if logits is None or not (self.teachers and self.algo.regularisers.distill_coef > 0):
             return None, None
         teacher_logits = torch.zeros_like(logits, requires_grad=False)
         has_teacher = torch.zeros(len(tasks), dtype=mb.loss_mask.dtype, device=logits.device)

@@ -61,52 +61,56 @@ class Term(NamedTuple):
 
 
 def policy_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
-    """``LOSSES[algo.loss]`` (PPO-clip, GSPO, CISPO, ...) on the token advantages, weighted by ``pg_coef``."""
-    adv = x.advantages
+    """``LOSSES[algo.loss.name]`` (PPO-clip, GSPO, CISPO, ...) on the token advantages, weighted by
+    ``loss.pg_coef``."""
+    adv, loss = x.advantages, algo.loss
     inputs = PolicyLossInputs(
-        x.logp, adv.ratio_logp, adv.advantages, adv.pg_mask, algo.clip_low, algo.clip_high, algo.loss_agg,
+        x.logp, adv.ratio_logp, adv.advantages, adv.pg_mask, loss.clip_low, loss.clip_high, loss.agg,
         x.num_tokens, behaviour_logp=x.mb.behaviour_logp,
         logits=x.logits if x.anchor_topk is not None else None, anchor_topk=x.anchor_topk,
     )
-    pg_loss, metrics = LOSSES[algo.loss](inputs, **algo.loss_kwargs)
-    return Term(algo.pg_coef * pg_loss * x.share, {"loss/pg": float(pg_loss.detach()) * x.share}, metrics)
+    pg_loss, metrics = LOSSES[loss.name](inputs, **loss.kwargs)
+    return Term(loss.pg_coef * pg_loss * x.share, {"loss/pg": float(pg_loss.detach()) * x.share}, metrics)
 
 
 def guidance_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
     """Reference replies in all-fail groups (``guidance``): their tokens trained as if sampled, or with LUFFY's
-    shaping (``guidance.shaping_gamma``), in place of the policy loss, weighted by ``pg_coef`` like it."""
+    shaping (``guidance.shaping_gamma``), in place of the policy loss, weighted by ``loss.pg_coef`` like it."""
     adv = x.advantages
     if adv.guided_mask is None:
         return Term(None, {}, {})
     g_loss, metrics = shaped_reference_loss(x.logp, adv.advantages, adv.guided_mask, x.shaping_gamma,
-                                            algo.loss_agg, x.num_tokens)
-    return Term(algo.pg_coef * g_loss * x.share, {"loss/guidance": float(g_loss.detach()) * x.share}, metrics)
+                                            algo.loss.agg, x.num_tokens)
+    return Term(algo.loss.pg_coef * g_loss * x.share, {"loss/guidance": float(g_loss.detach()) * x.share}, metrics)
 
 
 def entropy_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
-    """The entropy bonus: -``entropy_coef`` x the aggregated token entropy (logged whatever the weight)."""
-    ent = aggregate(x.entropy, x.mb.loss_mask, algo.loss_agg, x.num_tokens) * x.share
-    return Term(-(algo.entropy_coef * ent), {"entropy": float(ent.detach())}, {})
+    """The entropy bonus: -``regularisers.entropy_coef`` x the aggregated token entropy (logged whatever the
+    weight)."""
+    ent = aggregate(x.entropy, x.mb.loss_mask, algo.loss.agg, x.num_tokens) * x.share
+    return Term(-(algo.regularisers.entropy_coef * ent), {"entropy": float(ent.detach())}, {})
 
 
 def distill_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
     """Multi-teacher on-policy distillation: reverse KL to each row's task teacher, weighted by
-    ``distill_coef``; rows without a teacher count for nothing."""
+    ``regularisers.distill_coef``; rows without a teacher count for nothing."""
     if x.teacher_logits is None or x.logits is None or x.teacher_rows is None:
         return Term(None, {}, {})
     d_loss, metrics = reverse_kl_loss(x.logits, x.teacher_logits, x.mb.loss_mask * x.teacher_rows[:, None],
-                                      algo.loss_agg, x.num_tokens)
-    return Term(algo.distill_coef * d_loss * x.share, {"loss/distill": float(d_loss.detach()) * x.share}, metrics)
+                                      algo.loss.agg, x.num_tokens)
+    d_logged = {"loss/distill": float(d_loss.detach()) * x.share}
+    return Term(algo.regularisers.distill_coef * d_loss * x.share, d_logged, metrics)
 
 
 def kl_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
-    """KL to the reference policy (``kl_estimator``): in the loss with ``kl_coef`` when ``kl_in: loss``,
-    else only measured (``kl_in: reward`` puts it in the token advantages instead)."""
+    """KL to the reference policy (``regularisers.kl_estimator``): in the loss with ``kl_coef`` when ``kl_in:
+    loss``, else only measured (``kl_in: reward`` puts it in the token advantages instead)."""
     if x.ref_logp is None:
         return Term(None, {}, {})
-    kl = aggregate(kl_estimate(x.logp, x.ref_logp, algo.kl_estimator), x.mb.loss_mask, algo.loss_agg, x.num_tokens)
-    in_loss = algo.kl_coef > 0 and algo.kl_in == "loss"
-    return Term(algo.kl_coef * kl * x.share if in_loss else None, {"kl": float(kl.detach()) * x.share}, {})
+    reg = algo.regularisers
+    kl = aggregate(kl_estimate(x.logp, x.ref_logp, reg.kl_estimator), x.mb.loss_mask, algo.loss.agg, x.num_tokens)
+    in_loss = reg.kl_coef > 0 and reg.kl_in == "loss"
+    return Term(reg.kl_coef * kl * x.share if in_loss else None, {"kl": float(kl.detach()) * x.share}, {})
 
 
 def value_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
@@ -115,7 +119,7 @@ def value_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
     if x.values is None or x.old_values is None or x.advantages.returns is None:
         return Term(None, {}, {})
     v_loss, metrics = value_loss(x.values, x.old_values, x.advantages.returns, x.mb.loss_mask, algo.critic.clip,
-                                 algo.loss_agg, x.num_tokens)
+                                 algo.loss.agg, x.num_tokens)
     return Term(v_loss * x.share, {"loss/value": float(v_loss.detach()) * x.share}, metrics)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.checkpoint.store import latest_checkpoint
-from polyrl.config import Config, ConfigError, StageConfig
+from polyrl.config import Config, ConfigError, StageConfig, merge_algorithm
 from polyrl.config_check import load_config
 from polyrl.engines.hf import HFEngine
 from polyrl.envs.base import make_task
@@ -119,7 +119,7 @@ def stage_config(
     for t in replayed:
         t["teacher"] = _teacher(label, t["name"], best) if stage.retain_coef else None
     if replayed and stage.retain_coef:
-        data["algorithm"]["distill_coef"] = stage.retain_coef
+        data["algorithm"]["regularisers"]["distill_coef"] = stage.retain_coef
     for t in own:
         spec = stage.teachers.get(t["name"]) or t["teacher"] or ("best" if stage.taught else None)
         t["teacher"] = (_teacher(label, t["name"], best) if spec == "best" else spec) if stage.taught else None
@@ -129,14 +129,15 @@ def stage_config(
         if all(_same_model(t["teacher"], model) for t in data["tasks"]):
             return None
         # pure on-policy distillation unless the stage's algorithm says otherwise
-        data["algorithm"].update(pg_coef=0.0, distill_coef=1.0)
-    data["algorithm"].update(stage.algorithm)
+        data["algorithm"]["loss"]["pg_coef"], data["algorithm"]["regularisers"]["distill_coef"] = 0.0, 1.0
+    data["algorithm"] = merge_algorithm(data["algorithm"], stage.algorithm)
     data["rollout"].update(stage.rollout)
     if stage.lr is not None:
         data["optim"]["lr"] = stage.lr
     if stage.max_new_tokens is not None:
         data["rollout"]["max_new_tokens"] = stage.max_new_tokens
-        data["algorithm"]["overlong_buffer"] = min(data["algorithm"]["overlong_buffer"], stage.max_new_tokens)
+        shaping = data["algorithm"]["shaping"]
+        shaping["overlong_buffer"] = min(shaping["overlong_buffer"], stage.max_new_tokens)
     data["train"]["steps"] = stage.steps
     data["eval"]["before"] = data["eval"]["after"] = False  # the pipeline evaluates every task itself
     return load_config(f"stage {label}", data=data)
@@ -226,7 +227,7 @@ def run_pipeline(config: Config, run_dir: Path, resume: bool = False, log=print)
         others = state["tasks"] if stage.replay_from == "all" else _trained_before(state, index)
         cfg = stage_config(config, stage, label, start, registry(state["rows"], latest_on_tie=stage.taught), others)
         extra: dict[str, Any] = {}
-        if cfg is not None and stage.kind == "rl" and cfg.algorithm.distill_coef > 0:
+        if cfg is not None and stage.kind == "rl" and cfg.algorithm.regularisers.distill_coef > 0:
             extra["retain_teachers"] = {t.name: t.teacher for t in cfg.tasks if t.teacher}
         if cfg is not None and len(cfg.tasks) > 1:
             extra["mixture"] = {t.name: t.weight for t in cfg.tasks}

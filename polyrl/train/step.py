@@ -191,7 +191,8 @@ def produce_batch(run: Run, step: int, version: int | None = None, rollout_fn: R
     round_metrics: dict[str, float] = {}  # agent-episode and replay counts, summed over the sampling rounds
     sample_round = partial(sample_and_score, run, step, version, rollout_fn, round_metrics)
     # DAPO dynamic sampling: more rounds replace zero-variance groups (one round when off)
-    groups = dynamic_sample(sample_round, cfg.rollout.prompts_per_step, algo.dynamic_sampling, algo.max_extra_rounds)
+    sampling = algo.sampling
+    groups = dynamic_sample(sample_round, cfg.rollout.prompts_per_step, sampling.dynamic, sampling.max_extra_rounds)
     t_rollout = time.perf_counter() - t0
     metrics = shape_rewards(groups.sampled, algo, cfg.rollout.max_new_tokens)
     sampled = policy_samples(groups.sampled)

@@ -12,10 +12,10 @@ from polyrl.models.loading import load_model
 def load_teachers(config: Config, student: PreTrainedModel) -> dict[str, PreTrainedModel]:
     """Task name -> its teacher (eval mode, no grad); tasks sharing a teacher share one model.
 
-    Empty when ``algorithm.distill_coef`` is 0, so ordinary runs load nothing. A teacher must share the
-    student's vocabulary, since the loss compares the two distributions token by token.
+    Empty when ``algorithm.regularisers.distill_coef`` is 0, so ordinary runs load nothing. A teacher must share
+    the student's vocabulary, since the loss compares the two distributions token by token.
     """
-    if config.algorithm.distill_coef <= 0:
+    if config.algorithm.regularisers.distill_coef <= 0:
         return {}
     vocab = student.get_output_embeddings().weight.shape[0]
     device = module_device(student)  # the learner runs teacher and student on the same batch
