@@ -30,7 +30,7 @@ CONFIG = {
     "tasks": [{"name": "guess_the_number", "env": "textarena", "max_turns": 4,
                "params": {"game": "GuessTheNumber-v0"}}],
     "rollout": {"prompts_per_step": 2, "group_size": 8, "max_new_tokens": 32, "temperature": 1.0},
-    "algorithm": {"advantage": "grpo", "loss": "ppo_clip", "track_kl": False},
+    "algorithm": {"advantage": "grpo", "loss": "ppo_clip", "regularisers": {"track_kl": False}},
     "optim": {"lr": 3.0e-5, "micro_batch_size": 16},
     "logging": {"progress": False, "tensorboard": False, "report": False},
 }

@@ -3,7 +3,7 @@
 - ``try-again``: the quickstart task trained with ``tasks[].attempts: k`` (a wrong answer gets feedback and
   another attempt) against plain single-attempt training; held-out accuracy at 1 and at k attempts, before
   and after.
-- ``pcgrad``: two tasks in one run with ``algorithm.gradient_surgery`` none and pcgrad at equal samples; the
+- ``pcgrad``: two tasks in one run with ``algorithm.gradients.surgery`` none and pcgrad at equal samples; the
   per-task gradient norms and their cosine (``task_grad/``) every step, held-out accuracy per task.
 - ``off-policy``: the quickstart made off-policy (``runtime.kind: async``, ``eta`` 2: rollouts sampled up to
   two policy versions behind, by the bf16 engine against the float32 learner) under each correction; the
@@ -108,8 +108,8 @@ def check_pcgrad(args, tmp: Path) -> dict:
     base = config(args.config, args.common, args.tasks)
     result["before"] = accuracy(base, base.model.name)
     for surgery in ("none", "pcgrad"):
-        cfg = config(args.config, args.common + QUIET + [f"algorithm.gradient_surgery={surgery}",
-                                                         "algorithm.task_grad_every=1"], args.tasks)
+        cfg = config(args.config, args.common + QUIET + [f"algorithm.gradients.surgery={surgery}",
+                                                         "algorithm.gradients.task_grad_every=1"], args.tasks)
         summary, rows, ckpt = train_and_read(cfg, tmp / surgery)
         cos = {k: series(rows, k) for k in sorted({k for r in rows for k in r if k.startswith("task_grad/cos/")})}
         norms = {k: series(rows, k) for k in sorted({k for r in rows for k in r if k.startswith("task_grad/norm/")})}

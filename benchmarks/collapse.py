@@ -12,6 +12,7 @@ benchmarks/results/collapse.json.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import platform
@@ -23,16 +24,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 BENCH = ["train.steps=1000000"]  # the benchmark's setting: the linear schedule never decays
-GSPO = ["algorithm.loss=gspo", "algorithm.loss_agg=seq-mean-token-mean", "algorithm.clip_low=3e-4",
-        "algorithm.clip_high=4e-4"]
-CISPO = ["algorithm.loss=cispo", "algorithm.clip_high=0.28"]
+GSPO = ["algorithm.loss=gspo", "algorithm.loss.agg=seq-mean-token-mean", "algorithm.loss.clip_low=3e-4",
+        "algorithm.loss.clip_high=4e-4"]
+CISPO = ["algorithm.loss=cispo", "algorithm.loss.clip_high=0.28"]
 VARIANTS: dict[str, list[str]] = {
     "grpo, 1 epoch (as benchmarked)": [*BENCH],
-    "grpo, 2 epochs": [*BENCH, "algorithm.epochs=2"],
-    "gspo, 2 epochs (as benchmarked)": [*BENCH, *GSPO, "algorithm.epochs=2"],
+    "grpo, 2 epochs": [*BENCH, "algorithm.loss.epochs=2"],
+    "gspo, 2 epochs (as benchmarked)": [*BENCH, *GSPO, "algorithm.loss.epochs=2"],
     "gspo, 1 epoch": [*BENCH, *GSPO],
-    "gspo, 2 epochs, half lr": [*BENCH, *GSPO, "algorithm.epochs=2", "optim.lr=1.5e-5"],
-    "cispo, 2 epochs (as benchmarked)": [*BENCH, *CISPO, "algorithm.epochs=2"],
+    "gspo, 2 epochs, half lr": [*BENCH, *GSPO, "algorithm.loss.epochs=2", "optim.lr=1.5e-5"],
+    "cispo, 2 epochs (as benchmarked)": [*BENCH, *CISPO, "algorithm.loss.epochs=2"],
     "cispo, 1 epoch": [*BENCH, *CISPO],
 }
 PER_STEP = ("reward/mean", "clip_frac", "grad_norm", "entropy", "ratio/max", "loss/pg", "lr")
@@ -68,14 +69,15 @@ def run_variant(config: Path, overrides: list[str], steps: int, seed: int, eval_
     return {"overrides": overrides, "curve": curve, "steps": history}
 
 
-def _algo(overrides: list[str]) -> dict:
-    """The ``algorithm.*`` settings among ``overrides`` as AlgorithmConfig keywords."""
-    out = {}
+def _algo(base: dict, overrides: list[str]) -> dict:
+    """``base`` (a dumped ``algorithm``) with the ``algorithm.*`` settings among ``overrides`` applied."""
+    from polyrl.config import apply_override
+
+    data = {"algorithm": copy.deepcopy(base)}
     for o in overrides:
-        key, value = o.split("=", 1)
-        if key.startswith("algorithm."):
-            out[key.removeprefix("algorithm.")] = value
-    return out
+        if o.startswith("algorithm."):
+            apply_override(data, o)
+    return data["algorithm"]
 
 
 def probe(config: Path, seed: int, batches: int, on_result: Callable[[dict], None] | None = None) -> dict:
@@ -107,7 +109,7 @@ def probe(config: Path, seed: int, batches: int, on_result: Callable[[dict], Non
                 before, _ = token_logprobs(run.model, batch, cfg.rollout.temperature, model_bf16(cfg))
             for name, overrides in VARIANTS.items():
                 run.model.load_state_dict(start)
-                algo = AlgorithmConfig(**{**cfg.algorithm.model_dump(), **_algo(overrides)})
+                algo = AlgorithmConfig(**_algo(cfg.algorithm.model_dump(), overrides))
                 learner = Learner(run.model, algo, cfg.optim, cfg.rollout.temperature, model_bf16(cfg),
                                   run.learner.pad_id, total_steps=1_000_000)
                 m = learner.update(trajs)

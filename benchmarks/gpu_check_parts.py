@@ -112,7 +112,8 @@ def make_learner(model, bf16: bool, micro_batch: int, lr: float, **kwargs: Any):
     """The quickstart's objective (GRPO advantages, PPO clip, no KL reference) with AdamW at ``lr``."""
     from polyrl.learner.learner import Learner
 
-    return Learner(model, AlgorithmConfig(track_kl=False), OptimConfig(lr=lr, micro_batch_size=micro_batch),
+    algo = AlgorithmConfig(regularisers={"track_kl": False})
+    return Learner(model, algo, OptimConfig(lr=lr, micro_batch_size=micro_batch),
                    temperature=1.0, bf16=bf16, pad_id=PAD, total_steps=100, **kwargs)
 
 

@@ -2,7 +2,7 @@
 samples, on SmolLM2-135M-Instruct over reasoning-gym tasks the model partly solves.
 
 - ``multi``: one policy on an equal mixture of the tasks for ``--steps`` steps.
-- ``multi+task_norm``: the same with ``algorithm.task_norm: true`` (AgentRL).
+- ``multi+task_norm``: the same with ``algorithm.advantage.task_norm: true`` (AgentRL).
 - ``specialist/<task>``: one policy per task for ``--steps / n_tasks`` steps of the same batch size, so each
   specialist sees as many samples of its task as the mixture gives it on average (and all specialists
   together as many as one multi-task run).
@@ -50,7 +50,8 @@ def make_config(model: str, tasks: list[str], steps: int, task_norm: bool, eval_
         "tasks": [{"name": n, "params": TASKS[n], "prompt_suffix": " Answer with just the number.",
                    "eval_size": eval_n} for n in tasks],
         "rollout": {"prompts_per_step": args.prompts, "group_size": args.group, "max_new_tokens": args.max_new},
-        "algorithm": {"advantage": "grpo", "track_kl": False, "task_norm": task_norm},
+        "algorithm": {"advantage": {"estimator": "grpo", "task_norm": task_norm},
+                      "regularisers": {"track_kl": False}},
         "optim": {"lr": args.lr, "schedule": "linear"},
         "train": {"steps": steps, "seed": args.seed},
         "eval": {"max_new_tokens": args.max_new},

@@ -3,7 +3,7 @@ budget, so runs on a busy machine compare), with a training seed and config over
 policy in float32 on the seed-0 held-out items (the ones the quickstart reports) and break the errors down.
 
     python benchmarks/quickstart_seeds.py --name dapo-seed1 --steps 45 --seed 1 \
-        algorithm.clip_high=0.28 algorithm.dynamic_sampling=true algorithm.max_extra_rounds=2
+        algorithm.loss.clip_high=0.28 algorithm.sampling.dynamic=true algorithm.sampling.max_extra_rounds=2
 
 Appends one record to benchmarks/results/quickstart_seeds.json. The breakdown shows what limits the score:
 items whose answer is negative need a minus sign the base model almost never writes.

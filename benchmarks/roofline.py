@@ -173,7 +173,7 @@ def build(model_name: str, micro_batch: int, total_steps: int = 1000):
     engine = HFEngine(model, tokenizer, bf16=True, bf16_weights=True)  # fused decode path on Llama-family models
     # The quickstart's objective; a tiny learning rate keeps the weights (and so the samples) nearly fixed.
     learner = Learner(
-        model, AlgorithmConfig(track_kl=False), OptimConfig(lr=1e-9, micro_batch_size=micro_batch),
+        model, AlgorithmConfig(regularisers={"track_kl": False}), OptimConfig(lr=1e-9, micro_batch_size=micro_batch),
         temperature=1.0, bf16=True, pad_id=engine.pad_id, total_steps=total_steps,
     )
     return model, tokenizer, engine, learner

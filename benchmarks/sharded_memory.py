@@ -165,7 +165,8 @@ def quickstart_batch(seed: int = 0, groups: int = 2, group_size: int = 8, vocab:
 def learner_configs():
     from polyrl.config import AlgorithmConfig, OptimConfig
 
-    algo = AlgorithmConfig(advantage="grpo", loss="ppo_clip", clip_high=0.28, track_kl=False)
+    algo = AlgorithmConfig(advantage="grpo", loss={"name": "ppo_clip", "clip_high": 0.28},
+                           regularisers={"track_kl": False})
     optim = OptimConfig(lr=3.0e-5, schedule="linear", micro_batch_size=16)
     return algo, optim
 
@@ -464,7 +465,8 @@ def main() -> None:
                   "response_tokens_mean": sum(t.num_model_tokens for t in batch) / len(batch),
                   "response_tokens_range": [min(t.num_model_tokens for t in batch),
                                             max(t.num_model_tokens for t in batch)]},
-        "learner": {"algorithm": algo.model_dump(include={"advantage", "loss", "clip_high", "track_kl", "kl_coef"}),
+        "learner": {"algorithm": algo.model_dump(include={"advantage": {"estimator"}, "loss": {"name", "clip_high"},
+                                                          "regularisers": {"track_kl", "kl_coef"}}),
                     "optim": optim.model_dump(include={"lr", "schedule", "micro_batch_size", "betas"}),
                     "bf16_autocast": True, "optimizer": "torch.optim.AdamW(fused=True), as Learner builds it"},
         "method": "each configuration in fresh processes; per-phase peaks from VmHWM after /proc/self/clear_refs; "

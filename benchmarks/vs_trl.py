@@ -85,7 +85,7 @@ def worker_polyrl(args) -> dict:
     if args.lora:
         overrides += ["model.lora={r: 16, alpha: 32}"]
     if args.no_dynamic_sampling:
-        overrides += ["algorithm.dynamic_sampling=false"]
+        overrides += ["algorithm.sampling.dynamic=false"]
     cfg = load_config(QUICKSTART, overrides)
     out = Path(args.out) / "polyrl"
     run = build_run(cfg, out)
