@@ -160,7 +160,7 @@ def test_polyrl_has_no_import_cycles():
 
 LAYERS = (
     # polyrl's packages (and top-level modules) from the bottom up: each imports only those listed before it.
-    "types", "waits", "loader", "config", "models", "algorithms", "data", "rewards", "envs", "engines",
+    "types", "waits", "loader", "config", "models", "plan", "algorithms", "data", "rewards", "envs", "engines",
     "parallel", "checkpoint", "placement", "config_check", "rollout", "endpoint", "learner", "observe",
     "adapters", "train", "runtime", "run", "tinker_api", "docs_gen", "cli", "__main__", "polyrl",
 )

@@ -4,13 +4,13 @@ work is split over ranks (contiguous shards of rollout requests, trajectories ba
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from polyrl.plan import Ranks
 from polyrl.waits import WaitTimeoutError, is_timeout
 
 SHARD_SEED_STRIDE = 104_729
@@ -19,23 +19,6 @@ SHARD_SEED_STRIDE = 104_729
 
 class RankFailedError(RuntimeError):
     """A learner rank died or a collective timed out."""
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place among the learner ranks (rank 0 of 1 without a process group)."""
-
-    rank: int = 0
-    world_size: int = 1
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0 writes the run's files (metrics, checkpoints' manifest, summary, report)."""
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
 
 
 def current() -> Ranks:
