@@ -19,8 +19,9 @@ from polyrl.observe.plots import eval_bar_plot, line_plot
 # Per-step samples shown per task in the "rollouts" section.
 EXAMPLES_PER_TASK = 3
 MAX_EXAMPLE_CHARS = 600
-SAMPLE_FLAGS = ("truncated", "terminated_early", "replayed", "guided")
-"""Trajectory flags counted per task and shown on examples (guided: a reference reply, docs/guidance.md)."""
+SAMPLE_FLAGS = ("truncated", "terminated_early", "replayed", "guided", "hinted")
+"""Trajectory flags counted per task and shown on examples (guided: a reference reply; hinted: sampled from a
+prompt given the start of one; docs/guidance.md)."""
 
 
 class ReportError(ValueError):
@@ -71,8 +72,7 @@ def load_run(run_dir: Path) -> RunData:
     traj_path = run_dir / "trajectories.jsonl"
     if traj_path.is_file():
         # Keep only what the report shows; token arrays are the viewer's business.
-        keep = ("step", "task", "item_id", "group_id", "reward", "advantage", "text", "truncated",
-                "terminated_early", "replayed", "guided", "loss_mask")
+        keep = ("step", "task", "item_id", "group_id", "reward", "advantage", "text", *SAMPLE_FLAGS, "loss_mask")
         for _, row in read_jsonl(traj_path):
             sample = {k: row[k] for k in keep if k in row}
             sample["model_tokens"] = sum(sample.pop("loss_mask", []) or [])
@@ -298,8 +298,9 @@ def samples_section(samples: list[dict[str, Any]]) -> str:
             f"<tr><td>{_e(task)}</td><td class=num>{len(mine)}</td>"
             f"<td class=num>{mean_r:.3f}</td>{rates}</tr>"
         )
-    stats = ("<table id=sample-stats><tr><th>task</th><th>stored</th><th>mean reward</th><th>truncated</th>"
-             "<th>terminated early</th><th>replayed</th><th>guided</th></tr>" + "".join(stat_rows) + "</table>")
+    heads = "".join(f"<th>{f.replace('_', ' ')}</th>" for f in SAMPLE_FLAGS)
+    stats = ("<table id=sample-stats><tr><th>task</th><th>stored</th><th>mean reward</th>" + heads + "</tr>"
+             + "".join(stat_rows) + "</table>")
     # The best and worst stored samples of the last step show what the policy does now.
     last = [s for s in samples if s.get("step", 0) == steps[-1]]
     example_rows = []

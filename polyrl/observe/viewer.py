@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 STATIC_FILES = {"index.html": "text/html", "app.js": "text/javascript", "style.css": "text/css"}
 PREVIEW_CHARS = 120
-FLAGS = ("truncated", "terminated_early", "replayed", "guided")
+FLAGS = ("truncated", "terminated_early", "replayed", "guided", "hinted")  # as report.SAMPLE_FLAGS and app.js
 # Fields an ARPO-style branching rollout may carry (top level or under ``info``) to be drawn as a tree.
 BRANCH_FIELDS = ("branch_id", "parent_id", "branch_at")
 

@@ -2,7 +2,7 @@
 // All text from the run goes through textContent (never innerHTML), so a reply cannot inject markup.
 "use strict";
 
-const FLAGS = ["truncated", "terminated_early", "replayed", "guided"];
+const FLAGS = ["truncated", "terminated_early", "replayed", "guided", "hinted"];
 const MAX_ROWS = 2000; // rows drawn at once; the filters narrow the rest
 const LOGPROB_FLOOR = -6; // log-probs at or below this get the strongest shading
 
