@@ -198,19 +198,18 @@ def _state_bytes(model, learner) -> dict:
 
 def _rank(layers: int, updates: int, out_dir: str, budget_gb: float, checkpointing: bool = False) -> None:
     """One rank's measurement; writes ``rank-<r>.json`` in ``out_dir``."""
-    from polyrl.parallel.group import barrier, current, join_group, leave_group
+    from polyrl.parallel.group import barrier, join_group, leave_group
+    from polyrl.plan import Ranks
 
     world = int(os.environ["WORLD_SIZE"])
     # A failed allocation instead of the OOM killer when this rank outgrows its share of the machine.
     vsz = psutil.Process().memory_info().vms / GB
     limit = int((vsz + budget_gb) * GB)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    if world > 1:
-        join_group("gloo", 1800.0, torch.device("cpu"))
+    ranks = join_group("gloo", 1800.0, torch.device("cpu")) if world > 1 else Ranks()
     from polyrl.config import LearnerConfig
     from polyrl.learner.learner import Learner
 
-    ranks = current()
     rec: dict = {"rank": ranks.rank, "world_size": ranks.world_size, "threads": torch.get_num_threads(),
                  "address_space_limit_gb": limit / GB, "phases": {}}
     phases = rec["phases"]
@@ -222,19 +221,19 @@ def _rank(layers: int, updates: int, out_dir: str, budget_gb: float, checkpointi
         phases["build_model"] = {"seconds": time.perf_counter() - t0, "peak_rss_gb": peak(), "rss_after_gb": rss()}
         rec["parameters"] = sum(p.numel() for p in model.parameters())
         weight_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
-        barrier()
+        barrier(ranks)
         reset_peak()
         t0 = time.perf_counter()
         algo, optim = learner_configs()
         sharding = LearnerConfig(activation_checkpointing=checkpointing)
-        learner = Learner(model, algo, optim, 1.0, True, pad_id=2, total_steps=90, sharding=sharding)
+        learner = Learner(model, algo, optim, 1.0, True, pad_id=2, total_steps=90, sharding=sharding, ranks=ranks)
         gc.collect()
         phases["build_learner"] = {"seconds": time.perf_counter() - t0, "peak_rss_gb": peak(), "rss_after_gb": rss(),
                                    "held": _state_bytes(model, learner)}
         trajectories = quickstart_batch()
         calls = count_decoder_passes()
         for k in range(updates):
-            barrier()
+            barrier(ranks)
             saved = SavedTensors(weight_shapes)
             reset_peak()
             calls.clear()

@@ -190,13 +190,13 @@ def test_a_rank_rendezvous_nobody_else_joins_gives_up_after_learner_timeout_s(mo
 
 def _hang_in_a_collective(timeout_s: float) -> None:
     """Rank 1 joins and then never takes part in rank 0's gather."""
-    from polyrl.parallel.group import all_gather_objects, current, leave_group
+    from polyrl.parallel.group import all_gather_objects, leave_group
 
-    join_group("gloo", timeout_s, torch.device("cpu"))
+    ranks = join_group("gloo", timeout_s, torch.device("cpu"))
     try:
-        if current().rank == 1:
+        if ranks.rank == 1:
             time.sleep(60)
-        all_gather_objects("hello")
+        all_gather_objects(ranks, "hello")
     finally:
         leave_group()
 

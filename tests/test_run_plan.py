@@ -1,15 +1,19 @@
 """The run plan (``polyrl/plan.py``): the run's shape resolved once from the config (and the joined rank), checked
-by hand for representative configs."""
+by hand for representative configs; and no library code asks torch.distributed for its rank on its own."""
 
 from __future__ import annotations
 
+import ast
 import sys
+from pathlib import Path
 
 import pytest
 
 from polyrl.config import ConfigError, parse_config
 from polyrl.plan import Ranks, RunPlan, resolve_plan
 from tests.conftest import SMOKE
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "polyrl"
 
 
 def _plan(*overrides: str, ranks: Ranks = Ranks()) -> RunPlan:
@@ -70,3 +74,39 @@ def test_the_plan_is_a_frozen_value():
     assert plan == _plan() and hash(plan) == hash(_plan())
     with pytest.raises(AttributeError):
         plan.world_size = 2  # type: ignore[misc]
+
+
+def _calls_of_current(path: Path) -> list[tuple[str, int]]:
+    """(enclosing function, line) of each call ``current()`` or ``<module>.current()`` in the file."""
+    found: list[tuple[str, int]] = []
+
+    def walk(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef) else function
+            if isinstance(child, ast.Call):
+                f = child.func
+                if (isinstance(f, ast.Name) and f.id == "current") or (isinstance(f, ast.Attribute)
+                                                                       and f.attr == "current"):
+                    found.append((function, child.lineno))
+            walk(child, name)
+
+    walk(ast.parse(path.read_text(), filename=str(path)), "<module>")
+    return found
+
+
+def test_library_code_takes_its_ranks_from_the_plan():
+    """``parallel.group.current()`` asks torch.distributed which rank this process is: only ``join_group``
+    does, and the plan carries its answer everywhere else."""
+    calls = {f"{path.relative_to(PACKAGE_DIR.parent)}:{fn}:{line}"
+             for path in sorted(PACKAGE_DIR.rglob("*.py")) for fn, line in _calls_of_current(path)}
+    assert calls, "the walk found no call at all: join_group's own is expected"
+    outside = sorted(c for c in calls if not c.startswith("polyrl/parallel/group.py:join_group:"))
+    assert not outside, "current() called outside join_group: " + ", ".join(outside)
+
+
+def test_the_call_finder_sees_calls_in_nested_functions(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("from x import group, current\n"
+                      "def a():\n    def b():\n        return group.current()\n    return current()\n"
+                      "current_device()\n")
+    assert sorted(_calls_of_current(source)) == [("a", 5), ("b", 4)]

@@ -67,7 +67,7 @@ def _update(agg: str, lora: bool, n_groups: int = 3, group: int = 4,
     full = copy.deepcopy(model)
     algo = AlgorithmConfig(loss={"agg": agg, "clip_high": 0.28}, regularisers={"kl_coef": 0.05}, **algo_kw)
     learner = Learner(model, algo, OptimConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.05), 1.0, False, pad_id=2,
-                      sharding=sharding)
+                      sharding=sharding, ranks=current())  # the joined group's ranks (one process: rank 0 of 1)
     metrics = learner.update(_trajectories(n_groups, group, tasks=tasks))
     gather_into(model, full)
     return metrics, {k: v.detach().clone() for k, v in full.state_dict().items()}
@@ -194,7 +194,7 @@ def test_shards_split_by_cost_deterministically():
 def _stall_rank_one() -> None:
     if current().rank == 1:
         time.sleep(600)  # alive but never joins the collective
-    all_gather_objects("hello")
+    all_gather_objects(current(), "hello")
 
 
 def test_a_stalled_rank_ends_the_run_with_one_line_after_the_timeout():

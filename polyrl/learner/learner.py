@@ -26,7 +26,8 @@ from polyrl.learner.task_gradients import combine, put_local_grads, take_local_g
 from polyrl.learner.update_metrics import UpdateMetrics, add_sums
 from polyrl.models.forward import enable_activation_checkpointing
 from polyrl.parallel.fsdp import clip_grad_norm, shard_module
-from polyrl.parallel.group import balanced_shards, current
+from polyrl.parallel.group import balanced_shards
+from polyrl.plan import Ranks
 from polyrl.types import Trajectory
 
 
@@ -76,13 +77,14 @@ class Learner:
         replay_is_cap: float = 1.0,
         shaping_gamma: float | None = None,
         fsdp: bool | None = None,
+        ranks: Ranks = Ranks(),
     ) -> None:
         """``total_steps`` is the run's length, over which a decaying learning-rate schedule reaches 0;
         ``teachers`` maps a task name to its frozen distillation teacher (``regularisers.distill_coef`` weighs it).
-        In a process group of several ranks (``parallel/group.py``) the policy and the KL reference are
-        sharded with FSDP2 as ``sharding`` says, and each update trains this rank's share of the batch.
-        ``fsdp=True`` shards under a process group of one rank too (the GPU check runs FSDP2 on one GPU);
-        None shards when there are several ranks."""
+        With several ``ranks`` (the run plan's; this process's place in the joined group) the policy and the
+        KL reference are sharded with FSDP2 as ``sharding`` says, and each update trains this rank's share of
+        the batch. ``fsdp=True`` shards under a process group of one rank too (the GPU check runs FSDP2 on one
+        GPU); None shards when there are several ranks."""
         self.model = model
         self.teachers = teachers or {}
         self.is_cap = is_cap  # truncated IS cap for rows sampled by another policy (info["cross_policy"])
@@ -93,7 +95,7 @@ class Learner:
         self.temperature = temperature
         self.bf16 = bf16
         self.pad_id = pad_id
-        self.ranks = current()
+        self.ranks = ranks
         self.device = next(model.parameters()).device
         self.is_lora = hasattr(model, "disable_adapter")
         self.wants_reference = algo.regularisers.kl_coef > 0 or algo.regularisers.track_kl
@@ -112,7 +114,7 @@ class Learner:
             sharding = sharding or LearnerConfig()
             for module in (self.policy_pass, self.ref_pass):
                 if module is not None:
-                    shard_module(module, module.policy, self.device, sharding.offload_optimizer,
+                    shard_module(module, module.policy, self.device, ranks.world_size, sharding.offload_optimizer,
                                  sharding.activation_checkpointing and module is self.policy_pass)
         elif sharding is not None and sharding.activation_checkpointing:  # one process: recompute, no sharding
             enable_activation_checkpointing(model)
@@ -190,7 +192,7 @@ class Learner:
                 self._passes(plan, metrics, epoch)
             self._optimizer_step(metrics)
         schedule_step(self.scheduler)
-        return metrics.result(self.ranks.distributed, task_metrics, self.scheduler.get_last_lr()[0])
+        return metrics.result(self.ranks, task_metrics, self.scheduler.get_last_lr()[0])
 
     def _plan(self, trajectories: list[Trajectory], batch: Batch) -> _Plan:
         """This rank's micro-batches of the sorted batch, with what every pass over them reads: the rewards,

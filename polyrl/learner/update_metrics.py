@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from polyrl.algorithms.mismatch import mismatch_metrics
 from polyrl.parallel.group import merge_rank_metrics
+from polyrl.plan import Ranks
 
 
 def add_sums(into: dict[str, float], sums: dict[str, float]) -> None:
@@ -45,12 +46,12 @@ class UpdateMetrics:
             self.totals["skipped_updates"] = self.totals.get("skipped_updates", 0.0) + 1
         self.means["grad_norm"] = self.means.get("grad_norm", 0.0) + grad_norm / self.epochs
 
-    def result(self, distributed: bool, task_metrics: dict[str, float], lr: float) -> dict[str, float | None]:
-        """The update's metrics, merged over the ranks when ``distributed``."""
+    def result(self, ranks: Ranks, task_metrics: dict[str, float], lr: float) -> dict[str, float | None]:
+        """The update's metrics, merged over ``ranks`` when there are several."""
         totals = {**self.totals, **{f"mismatch/sum/{key}": v for key, v in self.mismatch.items()}}
         means = self.means
-        if distributed:
-            totals, means = merge_rank_metrics(totals, means)
+        if ranks.distributed:
+            totals, means = merge_rank_metrics(ranks, totals, means)
         sums = {key.removeprefix("mismatch/sum/"): totals.pop(key) for key in list(totals)
                 if key.startswith("mismatch/sum/")}
         totals.update(mismatch_metrics(sums))

@@ -15,7 +15,6 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 from torch.distributed.tensor import DTensor
 
 from polyrl.models.forward import enable_activation_checkpointing
-from polyrl.parallel.group import current
 from polyrl.parallel.shard_gather import full_tensor
 
 
@@ -32,15 +31,15 @@ def shard_module(
     root: torch.nn.Module,
     policy: torch.nn.Module,
     device: torch.device,
+    world_size: int,
     offload: bool = False,
     activation_checkpointing: bool = False,
 ) -> None:
-    """Shard ``root`` (which holds ``policy``) over the process group, in place: each decoder layer of
-    ``policy`` a unit, ``root`` the unit of what is left. ``offload`` keeps shards, gradients and optimizer
-    state in host memory (FSDP2's CPU offload); ``activation_checkpointing`` recomputes each layer's
-    activations in the backward pass instead of keeping them."""
-    ranks = current()
-    mesh = init_device_mesh(device.type, (ranks.world_size,))
+    """Shard ``root`` (which holds ``policy``) over the process group's ``world_size`` ranks (the run plan's),
+    in place: each decoder layer of ``policy`` a unit, ``root`` the unit of what is left. ``offload`` keeps
+    shards, gradients and optimizer state in host memory (FSDP2's CPU offload); ``activation_checkpointing``
+    recomputes each layer's activations in the backward pass instead of keeping them."""
+    mesh = init_device_mesh(device.type, (world_size,))
     offload_policy = CPUOffloadPolicy() if offload and device.type == "cuda" else OffloadPolicy()
     if activation_checkpointing:
         enable_activation_checkpointing(policy)

@@ -22,7 +22,8 @@ class RankFailedError(RuntimeError):
 
 
 def current() -> Ranks:
-    """The ranks of the initialised process group, or a single process."""
+    """The ranks of the initialised process group, or a single process: asked once, by ``join_group`` (and by
+    tests); the run passes its ``RunPlan.ranks`` to everything else."""
     if dist.is_available() and dist.is_initialized():
         return Ranks(dist.get_rank(), dist.get_world_size())
     return Ranks()
@@ -76,9 +77,8 @@ def leave_group() -> None:
         dist.destroy_process_group()
 
 
-def all_gather_objects(obj: Any) -> list[Any]:
+def all_gather_objects(ranks: Ranks, obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order (``[obj]`` in one process)."""
-    ranks = current()
     if not ranks.distributed:
         return [obj]
     out: list[Any] = [None] * ranks.world_size
@@ -86,26 +86,26 @@ def all_gather_objects(obj: Any) -> list[Any]:
     return out
 
 
-def broadcast_object(obj: Any) -> Any:
+def broadcast_object(ranks: Ranks, obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (``obj`` itself in one process; other ranks may pass None)."""
-    if not current().distributed:
+    if not ranks.distributed:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def all_reduce_max(value: float) -> float:
+def all_reduce_max(ranks: Ranks, value: float) -> float:
     """The largest ``value`` over ranks."""
-    if not current().distributed:
+    if not ranks.distributed:
         return value
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
-def barrier() -> None:
-    if current().distributed:
+def barrier(ranks: Ranks) -> None:
+    if ranks.distributed:
         dist.barrier()
 
 
@@ -138,10 +138,10 @@ SAME_ON_EVERY_RANK = ("grad_norm", "skipped_updates")
 """Update metrics every rank computes whole (the gradient norm is the whole batch's)."""
 
 
-def merge_rank_metrics(totals: dict, means: dict) -> tuple[dict, dict]:
+def merge_rank_metrics(ranks: Ranks, totals: dict, means: dict) -> tuple[dict, dict]:
     """One update's metrics over all ranks: each rank's sums (and shares of averages) add up, ``*/max`` and
     ``*/min`` take the extreme, ``SAME_ON_EVERY_RANK`` is taken as it is; None where no rank measured it."""
-    gathered = all_gather_objects((totals, means))
+    gathered = all_gather_objects(ranks, (totals, means))
     out: list[dict] = []
     for part in (0, 1):
         merged: dict = {}

@@ -22,8 +22,9 @@ from polyrl.observe.metrics import TrajectoryWriter, open_metrics_logger
 from polyrl.observe.progress import TrainProgress
 from polyrl.observe.report import write_report_safely
 from polyrl.parallel.fsdp import gather_into
-from polyrl.parallel.group import RankFailedError, all_reduce_max, current, join_group, leave_group
+from polyrl.parallel.group import RankFailedError, all_reduce_max, join_group, leave_group
 from polyrl.parallel.launch import launch_ranks
+from polyrl.plan import Ranks, RunPlan, resolve_plan
 from polyrl.runtime import make_stepper
 from polyrl.runtime.ray_ranks import train_on_ray_ranks
 from polyrl.runtime.stepper import load_producer_state
@@ -38,19 +39,22 @@ def _write_json(path: Path, data: dict, writer: bool = True) -> None:
     os.replace(tmp, path)
 
 
-def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dict[str, Any]:
+def train(config: Config, run_dir: Path, resume: bool = False, log=print,
+          plan: RunPlan | None = None) -> dict[str, Any]:
     """Run (or resume) training into ``run_dir``; returns the summary written to summary.json. With
     ``learner.world_size`` > 1 this starts the ranks (or, started by torchrun, joins them); every rank runs
-    this loop, rank 0 writes the run's files."""
-    if config.learner.world_size > 1 and not current().distributed:
-        if "RANK" not in os.environ:
-            return _train_on_ranks(config, run_dir, resume)
-        _join(config)  # started by torchrun
-    ranks = current()
+    this loop, rank 0 writes the run's files. The run's shape (``plan``, a launched rank's) is resolved here
+    once and handed to everything that reads it."""
+    if plan is None:
+        world = config.learner.world_size
+        if world > 1 and "RANK" not in os.environ:
+            return _train_on_ranks(config, run_dir, resume)  # each rank resolves its plan once it has joined
+        plan = resolve_plan(config, _join(config) if world > 1 else Ranks())  # world > 1: started by torchrun
+    ranks = plan.ranks
     wall0 = time.perf_counter()
     if not ranks.is_main:
         log = _quiet
-    run = build_run(config, run_dir)
+    run = build_run(config, run_dir, plan)
     for task in run.tasks.values():
         if isinstance(task.source, DatasetSource):
             log(task.source.describe())
@@ -90,7 +94,7 @@ def train(config: Config, run_dir: Path, resume: bool = False, log=print) -> dic
                 step += 1
                 metrics, trajectories = stepper.step(step)
                 # The slowest rank's time, so every rank's time budget ends at the same step.
-                metrics["step_time_s"] = all_reduce_max(metrics["step_time_s"])
+                metrics["step_time_s"] = all_reduce_max(ranks, metrics["step_time_s"])
                 train_time += metrics["step_time_s"]
                 metrics["train_time_s"] = train_time
                 metrics.update({f"task_ratio/{k}": v for k, v in run.sampler.realised_ratio().items()})
@@ -134,7 +138,7 @@ def _save(run: Run, step: int, state: dict[str, Any]) -> None:
     """Checkpoint ``step``: in one process an HF directory with the optimizer beside it; under several ranks
     every rank writes its shards (``checkpoint/sharded.py``), which resume at any world size."""
     keep = run.config.train.keep_checkpoints
-    if not current().distributed:
+    if not run.plan.ranks.distributed:
         save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.learner.state_dict(), state, keep=keep)
         return
     learner = run.learner
@@ -151,7 +155,7 @@ def _restore(run: Run, ckpt: Path) -> dict[str, Any]:
         learner.scheduler.load_state_dict(state["learner"]["scheduler"])
         if run.engine_model is not run.model:
             gather_into(run.model, run.engine_model, trainable_only=learner.is_lora)
-    elif current().distributed:
+    elif run.plan.ranks.distributed:
         raise ValueError(f"{ckpt}: saved by one process; resume it with learner.world_size: 1")
     else:
         optimizer_state, state = load_checkpoint(ckpt, run.model)
@@ -174,19 +178,22 @@ def _train_on_ranks(config: Config, run_dir: Path, resume: bool) -> dict[str, An
 
 
 def _rank_train(config: Config, run_dir: Path, resume: bool) -> None:
-    _join(config)
-    try:
-        train(config, run_dir, resume, log=_to_stderr)
+    ranks = _join(config)
+    try:  # the plan after joining: on a GPU, the device is the joined rank's
+        train(config, run_dir, resume, log=_to_stderr, plan=resolve_plan(config, ranks))
     finally:
         leave_group()
 
 
-def _join(config: Config) -> None:
+def _join(config: Config) -> Ranks:
+    """Join the learners' group; this process's ranks, for its plan. The device is resolved here before the plan
+    exists: its type picks the backend, and on a GPU joining selects the rank's own device."""
     faults.point("join", 0)  # fail-fast tests: a rank that hangs before it joins
     ranks = join_group(config.learner.backend, config.learner.timeout_s, resolve_device(config.train.device))
     if ranks.world_size != config.learner.world_size:
         raise RankFailedError(f"learner.world_size is {config.learner.world_size}, but the launcher started "
                               f"{ranks.world_size} ranks (WORLD_SIZE)")
+    return ranks
 
 
 def _to_stderr(message: str) -> None:

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from polyrl.config import engines_of
-from polyrl.parallel.group import current
 from polyrl.runtime.async_ import AsyncStepper
 from polyrl.runtime.ray_ import RayStepper
 from polyrl.runtime.stepper import Stepper, producer_state
@@ -29,12 +27,11 @@ class LocalStepper:
 
 
 def make_stepper(run: Any, start: int) -> Stepper:
-    """The stepper of ``run.config.runtime.kind``, resuming after step ``start``."""
-    kind = run.config.runtime.kind
-    if kind == "ray" and engines_of(run.config) == "disaggregated":  # on every learner rank
+    """The stepper ``run.plan`` calls for, resuming after step ``start``: Ray rollout workers when engines are
+    disaggregated (on every learner rank), a rollout process under async, else ``rl_step`` in this process
+    (under several colocated ranks each rolls out its share and steps in turn)."""
+    if run.plan.disaggregated:
         return RayStepper(run, start)
-    if current().distributed:  # every rank rolls out its share and steps in turn
-        return LocalStepper(run)
-    if kind == "async":
+    if run.plan.runtime == "async":
         return AsyncStepper(run, start)
     return LocalStepper(run)

@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from polyrl.config import Config
+from polyrl.plan import resolve_plan
 from polyrl.runtime.partial import PartialEngine
 from polyrl.runtime.staleness import check_staleness, staleness_metrics
 from polyrl.runtime.stepper import load_producer_state, producer_state, snapshot
@@ -44,7 +45,7 @@ def _rollout_main(
         learner_pid = os.getppid()
         torch.set_num_threads(threads)
         rt = config.runtime
-        run = build_run(config, run_dir)
+        run = build_run(config, run_dir, resolve_plan(config))  # its own plan: in no learners' group
         load_producer_state(run, start_state)
         version = -1
 

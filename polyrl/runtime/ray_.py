@@ -21,8 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from polyrl.config import weight_sync_of
-from polyrl.parallel.group import broadcast_object, current
+from polyrl.parallel.group import broadcast_object
 from polyrl.parallel.sync_group import SyncGroup
 from polyrl.parallel.weight_sync import WeightSender
 from polyrl.placement import PlacementError, check_ray_address
@@ -66,9 +65,10 @@ class RayStepper:
         except ImportError:
             raise PlacementError("runtime.kind ray: ray is not installed; pip install 'polyrl[ray]'") from None
         self.ray, self.run, rt = ray, run, run.config.runtime
-        self.main = current().is_main
+        self.ranks = run.plan.ranks
+        self.main = self.ranks.is_main
         self.eta = rt.eta
-        self.collective = weight_sync_of(run.config) == "collective"
+        self.collective = run.plan.weight_sync == "collective"
         self._started_ray = start_ray(rt, run.run_dir) if self.main else False
         self.pool = WorkerPool(ray, run, self.collective) if self.main else None
         self.sender = None
@@ -136,8 +136,8 @@ class RayStepper:
 
     def step(self, step: int) -> tuple[dict[str, Any], list[Trajectory]]:
         batch, state = self._next_batch() if self.main else (None, None)
-        if current().distributed:  # every rank trains on rank 0's batch
-            batch, state = broadcast_object((batch, state))
+        if self.ranks.distributed:  # every rank trains on rank 0's batch
+            batch, state = broadcast_object(self.ranks, (batch, state))
         if batch.step != step:
             raise RuntimeError(f"runtime.kind ray: expected the batch of step {step}, got step {batch.step}")
         check_staleness(batch.kept, step - 1, self.eta, "runtime.kind ray")

@@ -29,6 +29,7 @@ from polyrl.parallel.launch import free_port
 from polyrl.parallel.sync_group import SyncGroup, join_sync_group
 from polyrl.parallel.weight_sync import WeightReceiver, WeightSender
 from polyrl.placement import PlacementError, capacity_problem
+from polyrl.plan import resolve_plan
 from polyrl.runtime.stepper import snapshot
 from polyrl.train.step import build_run, local_rollout
 from polyrl.types import Trajectory
@@ -42,7 +43,7 @@ class RolloutWorker:
     """A Ray actor: its own copy of the run (model, engine, tasks), rolling out the shards it is sent."""
 
     def __init__(self, config: Any, run_dir: Any, index: int, incarnation: int) -> None:
-        self.run = build_run(config, run_dir)
+        self.run = build_run(config, run_dir, resolve_plan(config))  # its own plan: in no learners' group
         self.rollout_fn = local_rollout(self.run)
         self.index, self.name, self.version = index, f"worker{index}.{incarnation}", -1
         self.receiver: WeightReceiver | None = None
@@ -89,11 +90,11 @@ class WorkerPool:
     def __init__(self, ray: Any, run: Any, collective: bool) -> None:
         self.ray, self.run, self.collective = ray, run, collective
         gpu = run.config.train.device == "cuda"
-        if run.config.learner.world_size == 1 and (problem := capacity_problem(
-                ray.cluster_resources(), 0, run.config.runtime.num_workers, gpu)):
+        if run.plan.world_size == 1 and (problem := capacity_problem(
+                ray.cluster_resources(), 0, run.plan.rollout_workers, gpu)):
             raise PlacementError(problem)
         self._actor = ray.remote(num_cpus=1, num_gpus=1 if gpu else 0, max_restarts=0)(RolloutWorker)
-        self.incarnations = [0] * run.config.runtime.num_workers
+        self.incarnations = [0] * run.plan.rollout_workers
         self.workers = [self._new_worker(k) for k in range(len(self.incarnations))]
         self.worker_version = [-1] * len(self.workers)
         self.lock, self.weights_lock = threading.RLock(), threading.RLock()

@@ -34,7 +34,8 @@ from polyrl.learner.learner import Learner
 from polyrl.models.device import model_bf16, resolve_device
 from polyrl.models.loading import holds_bf16_weights, load_model, load_tokenizer
 from polyrl.parallel.fsdp import gather_into
-from polyrl.parallel.group import SHARD_SEED_STRIDE, all_gather_objects, contiguous_shards, current
+from polyrl.parallel.group import SHARD_SEED_STRIDE, all_gather_objects, contiguous_shards
+from polyrl.plan import RunPlan, resolve_plan
 from polyrl.rewards.functions import reward_error_metrics
 from polyrl.rewards.monitors import RewardMonitor, monitor_kind, monitor_metrics
 from polyrl.rollout.multi_turn import evaluate, rollout_metrics
@@ -58,6 +59,7 @@ class Run:
     object each, off as None (or as a no-op) by default."""
 
     config: Config
+    plan: RunPlan  # the run's shape, resolved once (polyrl/plan.py): this process's rank, runtime, engines
     run_dir: Path
     model: Any
     """The policy the learner trains (sharded over the ranks under ``learner.world_size`` > 1)."""
@@ -89,7 +91,7 @@ class Run:
     """Bytes of resident memory above which freed memory is given back after an update (``runtime``)."""
 
 
-def load_policy(config: Config) -> tuple[Any, Any]:
+def load_policy(config: Config, device: torch.device | None = None) -> tuple[Any, Any]:
     """The tokenizer and the policy model of ``config`` (LoRA, bf16 storage and attention as configured),
     seeded, with the allocator set up first; RL (``build_run``) and SFT runs start here."""
     if config.runtime.keep_freed_memory:  # before the model's weights: every process of a run builds one here
@@ -98,17 +100,18 @@ def load_policy(config: Config) -> tuple[Any, Any]:
     tokenizer = load_tokenizer(config.model.name)
     model = load_model(
         config.model.name, config.model.lora, seed=config.train.seed, bf16=model_bf16(config),
-        float32_attention=config.model.float32_attention, device=resolve_device(config.train.device),
+        float32_attention=config.model.float32_attention, device=device or resolve_device(config.train.device),
     )
     return tokenizer, model
 
 
-def build_run(config: Config, run_dir: Path) -> Run:
-    """Load the model and tokenizer, build the tasks, the engine, the learner, the sampler and the features of
-    ``config``."""
-    tokenizer, model = load_policy(config)
+def build_run(config: Config, run_dir: Path, plan: RunPlan | None = None) -> Run:
+    """Build what a run of ``config`` holds (model, tokenizer, tasks, engine, learner, sampler, features) in the
+    shape ``plan`` gives (default: one process, in no learners' group)."""
+    plan = plan or resolve_plan(config)
+    tokenizer, model = load_policy(config, plan.torch_device)
     # Each rank samples its share of a step's groups with the whole weights (copied before sharding).
-    engine_model = copy.deepcopy(model) if current().distributed else model
+    engine_model = copy.deepcopy(model) if plan.sharded else model
     engine = make_engine(config, engine_model, tokenizer)  # engine.kind: hf, or vllm (optional extra)
     r = config.rollout  # self-play envs (textarena opponent: self) sample the other seat from the engine too
     policy = EnginePolicy(engine, r.max_new_tokens, r.temperature, r.top_p)
@@ -119,14 +122,14 @@ def build_run(config: Config, run_dir: Path) -> Run:
     learner = Learner(
         model, config.algorithm, config.optim, config.rollout.temperature, model_bf16(config), engine.pad_id,
         total_steps=config.train.steps, teachers=load_teachers(config, engine_model), sharding=config.learner,
-        replay_is_cap=config.agents.replay.is_cap, shaping_gamma=config.guidance.shaping_gamma,
+        replay_is_cap=config.agents.replay.is_cap, shaping_gamma=config.guidance.shaping_gamma, ranks=plan.ranks,
         **({"is_cap": cross.is_cap} if cross is not None else {}),
     )
     sampler = TaskSampler({t.name: t.weight for t in config.tasks}, seed=config.train.seed)
     monitor = RewardMonitor({t.name: monitor_kind(env_name(t), t.answer) for t in config.tasks}, tokenizer.decode,
                             config.monitors.zero_flagged, config.monitors.many_numbers)
     return Run(
-        config, run_dir, model, engine_model, tokenizer, tasks, engine, learner, sampler,
+        config, plan, run_dir, model, engine_model, tokenizer, tasks, engine, learner, sampler,
         group_rollout=GroupRollout(config),
         replay=Replay(config.agents.replay, config.train.seed),
         curriculum=build_curriculum(config, tokenizer),
@@ -166,10 +169,9 @@ class ScoredBatch:
 
 
 def local_rollout(run: Run) -> RolloutFn:
-    """Roll out on this process's engine; under several learner ranks, each rank rolls out a contiguous share
-    of the groups (shard k from seed + k * stride, as Ray workers do) and all ranks receive all of them, so
-    every rank goes on with the same batch."""
-    ranks = current()
+    """Roll out on this process's engine; under several learner ranks each rolls out a contiguous share of the
+    groups (shard k from seed + k * stride, as Ray workers do) and all go on with all of them, the same batch."""
+    ranks = run.plan.ranks
 
     def rollout_fn(requests: Requests, seed: int, version: int, first_id: int) -> list[Trajectory]:
         if not ranks.distributed:
@@ -177,7 +179,7 @@ def local_rollout(run: Run) -> RolloutFn:
         lo, hi = contiguous_shards(len(requests), ranks.world_size)[ranks.rank]
         mine = run.group_rollout.roll_out(run.engine, requests[lo:hi], seed + ranks.rank * SHARD_SEED_STRIDE,
                                           version, first_id + lo) if hi > lo else []
-        return [t for part in all_gather_objects(mine) for t in part]
+        return [t for part in all_gather_objects(ranks, mine) for t in part]
 
     return rollout_fn
 
@@ -337,14 +339,12 @@ def rl_step(run: Run, step: int) -> tuple[dict[str, float], list[Trajectory]]:
 def evaluate_all(run: Run) -> dict[str, float]:
     """Greedy held-out accuracy per task, on the policy's own weights (no bf16 copy unless eval.bf16); under
     several learner ranks each evaluates its share of the items."""
-    cfg = run.config
-    if cfg.eval.bf16:
+    if run.config.eval.bf16:
         return _evaluate_tasks(run, run.engine)
     # Weights stored in bf16 (LoRA's frozen base) need autocast; the rest of the policy is still evaluated as is.
     engine = HFEngine(run.engine_model, run.tokenizer, bf16=holds_bf16_weights(run.engine_model))
-    # The sampling engine's copy of the weights idles meanwhile: it goes for the evaluation, whose caches would
-    # come on top of it, and its sync builds it again from the policy, as after an update. A task that samples
-    # from it during evaluation (a self-play opponent) has it rebuilt on first use.
+    # The sampling engine's weight copy idles meanwhile: it goes for the evaluation, whose caches would come on top
+    # of it, and its sync (or a self-play opponent's first sample meanwhile) rebuilds it from the policy.
     releases = isinstance(run.engine, HFEngine)
     if releases:
         run.engine.release_memory(until_used=True)
@@ -356,7 +356,7 @@ def evaluate_all(run: Run) -> dict[str, float]:
 
 
 def _evaluate_tasks(run: Run, engine: Engine) -> dict[str, float]:
-    cfg, ranks = run.config, current()
+    cfg, ranks = run.config, run.plan.ranks
     # Evaluation's caches come on top of everything training holds, and it runs seldom: it always starts with the
     # freed memory given back, for a few page faults per evaluation.
     give_back_freed_memory()
@@ -373,6 +373,6 @@ def _evaluate_tasks(run: Run, engine: Engine) -> dict[str, float]:
             continue
         result = evaluate(engine, task, task.config.eval_size, max_new, cfg.eval.batch_size,
                           part=(ranks.rank, ranks.world_size))
-        counts = all_gather_objects((result["solved"], result["n"]))
+        counts = all_gather_objects(ranks, (result["solved"], result["n"]))
         accuracy[name] = sum(s for s, _ in counts) / max(sum(n for _, n in counts), 1)
     return accuracy
