@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from polyrl.config import engines_of
+from polyrl.models.device import wants_gpu
 from polyrl.models.loading import SMOLLM2_ALIAS, TINY_ALIAS, ModelNotFoundError, cache_dir, resolve_model_path
 from polyrl.waits import WaitTimeoutError
 
@@ -61,7 +62,7 @@ def local_placement_problem(config: Any, cpus: int | None = None, gpus: int | No
     rt = config.runtime
     if rt.kind != "ray" or rt.ray_address:
         return None
-    gpu = config.train.device == "cuda"
+    gpu = wants_gpu(config.train.device)
     if gpus is None:
         import torch
 

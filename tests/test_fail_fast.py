@@ -98,6 +98,18 @@ def test_ray_actors_a_machine_cannot_hold_are_refused_before_ray_starts():
         local_placement_problem(cuda, cpus=16, gpus=0)
 
 
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_a_run_on_a_gpu_asks_ray_for_gpus_whatever_the_device_is_called(monkeypatch, device):
+    """``train.device: auto`` on a GPU machine places its Ray actors on GPUs as ``cuda`` does (they used to ask
+    for none, and the workers then ran on the CPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cfg = load_config(SMOKE, ["runtime.kind=ray", f"train.device={device}"])
+    assert "need 1 GPUs" in local_placement_problem(cfg, cpus=16, gpus=0)
+    assert local_placement_problem(cfg, cpus=16, gpus=1) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert (local_placement_problem(cfg, cpus=16, gpus=0) is None) == (device == "auto")  # auto: the CPU then
+
+
 def test_the_parameter_count_comes_from_the_checkpoint_headers(tmp_path):
     model = tiny_random_model(seed=0)
     model.save_pretrained(tmp_path)

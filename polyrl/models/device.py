@@ -46,6 +46,13 @@ def resolve_device(name: str) -> torch.device:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+def wants_gpu(name: str) -> bool:
+    """Whether ``train.device`` puts the policy on a GPU (``cuda``, or ``auto`` where torch sees one):
+    the Ray actors of such a run must each ask for one. Decided without raising, before any device is checked."""
+    base = name.split(":", 1)[0]
+    return base == "cuda" or (base == "auto" and torch.cuda.is_available())
+
+
 @functools.cache
 def native_bf16(device_type: str) -> bool:
     """Whether this machine runs bfloat16 matmuls in hardware on ``device_type``: a CUDA GPU that supports

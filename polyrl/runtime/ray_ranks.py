@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from polyrl.models.device import wants_gpu
 from polyrl.parallel.group import RankFailedError, collective_timeout
 from polyrl.parallel.launch import free_port
 from polyrl.placement import PlacementError, capacity_problem, ray_actors
@@ -80,7 +81,7 @@ def _attempt(ray: Any, config: Any, run_dir: Path, entry: Callable, resume: bool
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    world, gpu = config.learner.world_size, config.train.device == "cuda"
+    world, gpu = config.learner.world_size, wants_gpu(config.train.device)
     # Disaggregated rollout workers (one CPU each, started by rank 0) need room beside the ranks' bundles.
     workers = ray_actors(config)[1]
     if problem := capacity_problem(ray.cluster_resources(), world, workers, gpu):

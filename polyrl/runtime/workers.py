@@ -24,6 +24,7 @@ import threading
 from typing import Any
 
 from polyrl.checkpoint import faults
+from polyrl.models.device import wants_gpu
 from polyrl.parallel.group import SHARD_SEED_STRIDE, contiguous_shards
 from polyrl.parallel.launch import free_port
 from polyrl.parallel.sync_group import SyncGroup, join_sync_group
@@ -89,7 +90,7 @@ class WorkerPool:
 
     def __init__(self, ray: Any, run: Any, collective: bool) -> None:
         self.ray, self.run, self.collective = ray, run, collective
-        gpu = run.config.train.device == "cuda"
+        gpu = wants_gpu(run.config.train.device)
         if run.plan.world_size == 1 and (problem := capacity_problem(
                 ray.cluster_resources(), 0, run.plan.rollout_workers, gpu)):
             raise PlacementError(problem)
