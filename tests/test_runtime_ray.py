@@ -95,8 +95,10 @@ def test_sharded_learner_with_disaggregated_workers_survives_a_worker_lost_in_a_
     replaced with the weights of version 2, and the run equals the world-size-1 run (samples identical,
     updates within float32 reduction order)."""
     env = {"RAY_AUTH_MODE": "disabled", KILL_AT: "worker1.0.sync:2"}
+    # Rank 1 waits in a collective while rank 0 starts two replacement workers: on a loaded 2-core machine that
+    # has taken over a minute, so the hang guard gets three.
     args = [*BASE, "runtime.engines=disaggregated", "learner.world_size=2", "runtime.ray_num_cpus=4",
-            "learner.timeout_s=60"]
+            "learner.timeout_s=180"]
     run = polyrl_cli.run(["train", str(SMOKE), "-o", str(tmp_path / "run"), *args], env)  # conftest: one thread
     assert run.returncode == 0, run.stderr[-3000:]
     rows, ref = _lines(tmp_path / "run", "metrics.jsonl"), _lines(object_store_run, "metrics.jsonl")
