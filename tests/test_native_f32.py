@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import ROOT
+from test_llama_decode import qwen2_with_bias
 
 from polyrl.engines import native
 from polyrl.engines.decode_kv import KVBuffers, PromptSharedKV
@@ -266,6 +267,21 @@ def test_the_float32_engine_sees_updates_without_a_copy(ops):
     assert [c.token_ids for g in after for c in g] != [c.token_ids for g in before for c in g]
 
 
+def prefill_and_decode_against_the_model(dec: LlamaDecoder, model, ids: torch.Tensor, mask: torch.Tensor,
+                                         next_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's logits for a prefill of ``ids`` and one decode step of ``next_ids``, [B, 2, V], and the
+    transformers model's logits at those two positions of the whole sequence."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    first, kv = dec.prefill(ids, mask, positions)
+    full_mask = torch.cat([mask, torch.ones(len(ids), 1, dtype=torch.long)], 1)
+    second = dec.decode(next_ids, full_mask, positions[:, -1] + 1, kv)
+    with torch.no_grad():
+        full = torch.cat([ids, next_ids[:, None]], 1)
+        want = model(input_ids=full, attention_mask=full_mask,
+                     position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()[:, -2:]
+    return torch.stack([first, second], 1), want
+
+
 def test_bf16_weights_widened_stay_within_bf16_rounding_of_the_float32_model(ops, tiny):
     """A bf16 copy of the matrices read by the float32 kernels: logits within the bf16 weights' rounding of the
     transformers model (as the bf16 path), the head's 32 largest per row recomputed exactly in float32."""
@@ -275,15 +291,8 @@ def test_bf16_weights_widened_stay_within_bf16_rounding_of_the_float32_model(ops
     assert dec.layers[0].qkv.dtype == torch.bfloat16
     ids = torch.tensor([[2, 2, 1, 2, 3], [4, 5, 6, 7, 8]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    first, kv = dec.prefill(ids, mask, positions)
-    full_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-    second = dec.decode(torch.tensor([9, 10]), full_mask, positions[:, -1] + 1, kv)
-    with torch.no_grad():
-        full = torch.cat([ids, torch.tensor([[9], [10]])], 1)
-        want = tiny(input_ids=full, attention_mask=full_mask,
-                    position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()[:, -2:]
-    err = (torch.stack([first, second], 1) - want).abs().max()
+    got, want = prefill_and_decode_against_the_model(dec, tiny, ids, mask, torch.tensor([9, 10]))
+    err = (got - want).abs().max()
     assert 1e-6 < err < 0.05  # the weights were rounded to bf16, and the logits (magnitude ~1) moved by that only
     hidden = randn(4, head.shape[1], seed=30)
     logits = dec._logits(hidden)
@@ -297,28 +306,13 @@ def test_bf16_weights_widened_stay_within_bf16_rounding_of_the_float32_model(ops
 def test_an_untied_head_and_qkv_biases_on_the_float32_kernels(ops, weight_dtype, tolerance):
     """Qwen2: q/k/v biases, a head of its own and an embedding table of its own (shared in float32, a bf16 copy
     with bf16 weights)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).eval()
-    for layer in model.model.layers:  # biases start at zero: make them count
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-            torch.nn.init.normal_(proj.bias, std=0.5)
+    model = qwen2_with_bias()
     dec = LlamaDecoder(model, model.get_output_embeddings().weight.detach(), torch.float32, weight_dtype=weight_dtype)
     assert dec.native and dec.embed.dtype == weight_dtype
     assert (dec.embed.data_ptr() == model.get_input_embeddings().weight.data_ptr()) == dec.shares_weights
     ids, mask = torch.tensor([[2, 2, 11, 12, 13], [14, 15, 16, 17, 18]]), torch.tensor([[0, 0, 1, 1, 1], [1] * 5])
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    first, kv = dec.prefill(ids, mask, positions)
-    full_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-    second = dec.decode(torch.tensor([19, 20]), full_mask, positions[:, -1] + 1, kv)
-    with torch.no_grad():
-        full = torch.cat([ids, torch.tensor([[19], [20]])], 1)
-        want = model(input_ids=full, attention_mask=full_mask,
-                     position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0)).logits.float()[:, -2:]
-    assert (torch.stack([first, second], 1) - want).abs().max() < tolerance
+    got, want = prefill_and_decode_against_the_model(dec, model, ids, mask, torch.tensor([19, 20]))
+    assert (got - want).abs().max() < tolerance
 
 
 def test_bf16_weights_without_native_bf16_take_the_widened_path(ops, tiny, monkeypatch):
