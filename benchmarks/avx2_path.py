@@ -189,28 +189,13 @@ def decode_key(args) -> str:
 def precision_worker() -> dict:
     """In the capped process: each float32-learner engine's behaviour log-probs against the learner's own
     (float32, no autocast: ``model.bf16=false``) on 4 chain_sum prompts x 8 samples of up to 48 tokens."""
-    import reasoning_gym
-    import torch
+    from decode_precision import logprob_gaps, sample_prompts
 
     from polyrl.engines.hf import HFEngine
-    from polyrl.models.forward import forward_logits
     from polyrl.models.loading import load_model, load_tokenizer
 
     tok, model = load_tokenizer("smollm2-135m-instruct"), load_model("smollm2-135m-instruct", None, seed=0)
-    data = reasoning_gym.create_dataset("chain_sum", size=4, seed=5, min_terms=2, max_terms=3, max_digits=2)
-    prompts = []
-    for item in data:
-        ids = tok.apply_chat_template([{"role": "user", "content": item["question"] + " Answer with just the number."}],
-                                      add_generation_prompt=True)
-        prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
-
-    def learner_logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
-        ids = torch.tensor([prompt + tokens])
-        with torch.no_grad():
-            logits, _ = forward_logits(model, ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None],
-                                       len(tokens) + 1, bf16=False)
-        return torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
-
+    prompts = sample_prompts(tok)
     engines = {
         "before (transformers model, float32)": HFEngine(model, tok, bf16=False, bf16_weights=False, fast_decode=False),
         "now (fused, float32 kernels, the policy's weights)": HFEngine(model, tok, bf16=False, bf16_weights=False),
@@ -218,13 +203,9 @@ def precision_worker() -> dict:
     }
     results = {}
     for label, engine in engines.items():
-        groups = engine.generate(prompts, n=8, max_new_tokens=48, temperature=1.0, seed=7)
-        gaps = torch.cat([(torch.tensor(c.logprobs) - learner_logprobs(p, c.token_ids)).abs()
-                          for p, group in zip(prompts, groups, strict=True) for c in group])
-        results[label] = {"tokens": len(gaps), "mean": gaps.mean().item(), "p99": gaps.quantile(0.99).item(),
-                          "max": gaps.max().item()}
-        print(f"{label:<52} tokens {len(gaps):>4}  mean {gaps.mean():.2e}  p99 {gaps.quantile(0.99):.2e}  "
-              f"max {gaps.max():.2e}", flush=True)
+        r = results[label] = logprob_gaps(engine, model, prompts, bf16=False)
+        print(f"{label:<52} tokens {r['tokens']:>4}  mean {r['mean']:.2e}  p99 {r['p99']:.2e}  "
+              f"max {r['max']:.2e}", flush=True)
     return results
 
 

@@ -18,28 +18,44 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
+def sample_prompts(tok) -> list[list[int]]:
+    """The 4 chain_sum prompts (2-3 terms, up to 2 digits) the precision benchmarks sample from, as chat ids."""
     import reasoning_gym
 
-    from polyrl.engines.hf import HFEngine
-    from polyrl.models.forward import forward_logits
-    from polyrl.models.loading import SMOLLM2_ALIAS, load_model, load_tokenizer
-
-    tok, model = load_tokenizer(SMOLLM2_ALIAS), load_model(SMOLLM2_ALIAS)
     data = reasoning_gym.create_dataset("chain_sum", size=4, seed=5, min_terms=2, max_terms=3, max_digits=2)
     prompts = []
     for item in data:
         chat = [{"role": "user", "content": item["question"] + " Answer with just the number."}]
         ids = tok.apply_chat_template(chat, add_generation_prompt=True)
         prompts.append(list(ids if isinstance(ids, list) else ids["input_ids"]))
+    return prompts
+
+
+def logprob_gaps(engine, model, prompts: list[list[int]], bf16: bool) -> dict[str, float]:
+    """8 samples of up to 48 tokens per prompt from ``engine``; |engine - learner| over every sampled token, the
+    learner's log-prob computed as the learner does (under bf16 autocast or not): count, mean, p99, max."""
+    from polyrl.models.forward import forward_logits
 
     def learner_logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([prompt + tokens])
         with torch.no_grad():
             logits, _ = forward_logits(model, ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None],
-                                       len(tokens) + 1, bf16=True)
-        return torch.log_softmax(logits[0, :-1], -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+                                       len(tokens) + 1, bf16=bf16)
+        return torch.log_softmax(logits[0, :-1].float(), -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
+    groups = engine.generate(prompts, n=8, max_new_tokens=48, temperature=1.0, seed=7)
+    gaps = torch.cat([(torch.tensor(c.logprobs) - learner_logprobs(p, c.token_ids)).abs()
+                      for p, group in zip(prompts, groups, strict=True) for c in group])
+    return {"tokens": len(gaps), "mean": gaps.mean().item(), "p99": gaps.quantile(0.99).item(),
+            "max": gaps.max().item()}
+
+
+def main() -> None:
+    from polyrl.engines.hf import HFEngine
+    from polyrl.models.loading import SMOLLM2_ALIAS, load_model, load_tokenizer
+
+    tok, model = load_tokenizer(SMOLLM2_ALIAS), load_model(SMOLLM2_ALIAS)
+    prompts = sample_prompts(tok)
     paths = {
         "transformers model, bf16 copy": dict(fast_decode=False, native_kernels=False),
         "fused, float32 head": dict(exact_top=0),
@@ -52,15 +68,9 @@ def main() -> None:
                           native_kernels=kw.get("native_kernels", True))
         if kw.get("exact_top") == 0:
             engine.fast.exact_top, engine.fast.head_low = 0, None
-        groups = engine.generate(prompts, n=8, max_new_tokens=48, temperature=1.0, seed=7)
-        gaps = torch.cat([
-            (torch.tensor(c.logprobs) - learner_logprobs(p, c.token_ids)).abs()
-            for p, group in zip(prompts, groups, strict=True) for c in group
-        ])
-        results[label] = {"tokens": len(gaps), "mean": gaps.mean().item(), "p99": gaps.quantile(0.99).item(),
-                          "max": gaps.max().item()}
-        print(f"{label:<60} tokens {len(gaps):>4}  mean {gaps.mean():.4f}  p99 {gaps.quantile(0.99):.4f}  "
-              f"max {gaps.max():.4f}", flush=True)
+        r = results[label] = logprob_gaps(engine, model, prompts, bf16=True)
+        print(f"{label:<60} tokens {r['tokens']:>4}  mean {r['mean']:.4f}  p99 {r['p99']:.4f}  "
+              f"max {r['max']:.4f}", flush=True)
     out = ROOT / "benchmarks" / "results" / "decode_precision.json"
     out.write_text(json.dumps(results, indent=2) + "\n")
 
