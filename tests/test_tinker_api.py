@@ -285,6 +285,21 @@ def test_unimplemented_calls_and_bad_requests_say_what(server, service_client):
         training.save_weights_external("x").result()
     with pytest.raises(tinker.RequestFailedError, match="loss_fn 'gspo' is not supported"):
         training.forward_backward([datum(SEQS[0], weights=weights_of(6))], "gspo").result()
+    # stable_reinforce's data as the cookbook sends it (provenance naming a sampled sequence); the refusal says
+    # which loss to pass instead.
+    sampled = training.save_weights_and_get_sampling_client(record_stability_info=True).result().sample(
+        types.ModelInput.from_ints(SEQS[0][:3]), 1, types.SamplingParams(max_tokens=4, stop=[])).result()
+    seq = sampled.sequences[0]
+    provenance = datum(SEQS[0][:3] + seq.tokens, logprobs=[0.0] * 2 + seq.logprobs,
+                       advantages=[0.0] * 2 + [1.0] * 4).with_provenance(
+        model_input=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=3),
+                     types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=3)],
+        loss_fn_inputs=[types.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=2),
+                        types.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=4)])
+    with pytest.raises(tinker.RequestFailedError,
+                       match="loss_fn 'stable_reinforce' is not supported: .*pass loss_fn='importance_sampling'"):
+        training.forward_backward([provenance], "stable_reinforce").result()
+    assert math.isfinite(training.forward([provenance], "importance_sampling").result().metrics["loss:sum"])
     with pytest.raises(tinker.RequestFailedError, match=r"data\[0\]: loss_fn 'ppo' needs loss_fn_inputs\['logprobs'\]"):
         training.forward_backward([datum(SEQS[0], advantages=[1.0] * 6)], "ppo").result()
     # A refused request takes its place in the model's sequence: the next one still runs.

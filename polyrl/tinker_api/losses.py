@@ -78,7 +78,10 @@ LOSSES: dict[str, TinkerLoss] = {
 
 REFUSED = {
     "gspo": "it needs the sequence-level ratio mask the server does not implement",
-    "stable_reinforce": "it needs the sampler's recorded stability information, which this server does not keep",
+    # Tinker documents neither its objective nor what the sampler records for it, so it is not reproduced.
+    "stable_reinforce": "its objective and the stability information its sampler records are server-side in "
+                        "Tinker and undocumented; pass loss_fn='importance_sampling' instead (in a cookbook "
+                        "recipe's config: loss_fn=importance_sampling)",
     "custom": "server-side custom losses are not implemented; forward_backward_custom runs them on the client",
 }
 
