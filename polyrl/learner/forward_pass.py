@@ -14,7 +14,10 @@ Two ways to do less than one forward of the padded [prompt | response] rows, bot
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +35,55 @@ positions of a row; ``length_buckets`` opens a bucket only where it saves more p
 PACKED_ATTENTION = 3000
 """Attention over one packed row of L positions costs about L * L / PACKED_ATTENTION positions of the rest of
 the pass (fitted to update times on SmolLM2-135M; ``benchmarks/packing.py``). 0 turns packing off."""
+
+
+class DecoderPass(NamedTuple):
+    """One pass through the decoder body that ``response_hidden`` made: ``layout`` is ``padded`` (the plain
+    padded rows), ``prompts`` (each distinct prompt once), ``bucket`` (one length bucket of responses) or
+    ``packed`` (one packed row); ``with_grad`` whether autograd recorded it."""
+
+    layout: str
+    with_grad: bool
+
+
+_recorded: list[DecoderPass] | None = None
+
+
+@contextlib.contextmanager
+def record_passes() -> Iterator[list[DecoderPass]]:
+    """Inside the block, every decoder pass the learner's forward makes is appended to the list it yields:
+    how an update laid its micro-batches out, and how many passes autograd kept."""
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
+
+
+@contextlib.contextmanager
+def pass_costs(bucket_overhead: int | None = None, packed_attention: int | None = None) -> Iterator[None]:
+    """Inside the block, the cost model that lays out the learner's passes uses ``bucket_overhead`` for
+    ``BUCKET_OVERHEAD`` (a huge value: one response pass, no buckets) and ``packed_attention`` for
+    ``PACKED_ATTENTION`` (0: never one packed row; a huge value: packed wherever it applies); None keeps the
+    value. The layouts agree on the log-probs and gradients (tests/test_length_buckets.py), not on the time."""
+    global BUCKET_OVERHEAD, PACKED_ATTENTION
+    saved = BUCKET_OVERHEAD, PACKED_ATTENTION
+    if bucket_overhead is not None:
+        BUCKET_OVERHEAD = bucket_overhead
+    if packed_attention is not None:
+        PACKED_ATTENTION = packed_attention
+    try:
+        yield
+    finally:
+        BUCKET_OVERHEAD, PACKED_ATTENTION = saved
+
+
+def _decoder_pass(layout: str, *args, **kwargs) -> tuple[torch.Tensor, object]:
+    """``decoder_forward``, recorded under ``record_passes``."""
+    if _recorded is not None:
+        _recorded.append(DecoderPass(layout, torch.is_grad_enabled()))
+    return decoder_forward(*args, **kwargs)
 
 
 def length_buckets(lengths: list[int], overhead: int = BUCKET_OVERHEAD) -> list[list[int]]:
@@ -82,7 +134,7 @@ def response_hidden(model: PreTrainedModel, batch: Batch, bf16: bool, share_pref
                 return _packed(model, batch, bf16, unique, inverse, lengths, ids)
         if not no_cache and (len(unique) < len(prompt_key) or len(buckets) > 1):
             return _bucketed(model, batch, bf16, unique, inverse, lengths, buckets)
-    hidden, _ = decoder_forward(model, batch.input_ids, batch.attention_mask, batch.position_ids, bf16)
+    hidden, _ = _decoder_pass("padded", model, batch.input_ids, batch.attention_mask, batch.position_ids, bf16)
     return hidden[:, s - 1 : -1]
 
 
@@ -110,8 +162,8 @@ def _bucketed(
     p_ids, p_mask = prompts[:, :s], prompts[:, s:]
     # Full-length caches, also for sliding-window layers (Gemma 3): the cache a model makes for itself keeps only
     # a window's last positions, and a response continuing it would be masked as if the prompt were that short.
-    p_hidden, cache = decoder_forward(
-        model, p_ids, p_mask, (p_mask.cumsum(-1) - 1).clamp(min=0), bf16, DynamicCache(), use_cache=True
+    p_hidden, cache = _decoder_pass(
+        "prompts", model, p_ids, p_mask, (p_mask.cumsum(-1) - 1).clamp(min=0), bf16, DynamicCache(), use_cache=True
     )
     prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
     parts = []
@@ -123,8 +175,8 @@ def _bucketed(
         if width > 1:  # the last response token predicts nothing: run the first width - 1
             kv = DynamicCache([(k[of_rows], v[of_rows]) for k, v in prompt_kv])
             cols = slice(s, s + width - 1)
-            h, _ = decoder_forward(
-                model, batch.input_ids[idx, cols], batch.attention_mask[idx, : s + width - 1],
+            h, _ = _decoder_pass(
+                "bucket", model, batch.input_ids[idx, cols], batch.attention_mask[idx, : s + width - 1],
                 batch.position_ids[idx, cols], bf16, past_key_values=kv,
             )
             hidden = torch.cat([hidden, h], dim=1)
@@ -180,7 +232,7 @@ def _packed(
     for i, n in enumerate(lengths):
         gather[i, 0] = prompt_last[int(inverse[i])]  # the prompt's last position predicts the first token
         gather[i, 1:n] = torch.arange(response_start[i], response_start[i] + n - 1)
-    hidden, _ = decoder_forward(
-        model, to_device([ids], device), allowed[None, None], to_device([positions], device), bf16
+    hidden, _ = _decoder_pass(
+        "packed", model, to_device([ids], device), allowed[None, None], to_device([positions], device), bf16
     )
     return hidden[0][gather.to(device, non_blocking=True)]
