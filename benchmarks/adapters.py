@@ -20,8 +20,7 @@ from typing import Any
 
 import yaml
 
-from polyrl.config_check import load_config
-from polyrl.run.loop import train
+from polyrl import load_config, run_training
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = {
@@ -65,7 +64,7 @@ def main() -> None:
 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        summary = train(config, Path(tmp) / "run", log=print)
+        summary = run_training(config, Path(tmp) / "run", log=print)
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     result = {
         "machine": _cpu(),

@@ -10,7 +10,7 @@ each run alone and merge their numbers into benchmarks/results/agents.json:
     python benchmarks/agents.py a --config configs/smoke.yaml --minutes 0.1 --eval 4 --out /tmp/agents.json
 
 Training runs in this process (``build_run`` + ``rl_step``); evaluation is greedy on held-out items with the
-float32 policy (``polyrl.rollout.multi_turn.evaluate``), so the valid-tool-call rate is measured too.
+float32 policy (``polyrl.evaluate``), so the valid-tool-call rate is measured too.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ ARMS: dict[str, dict[str, list[str]]] = {
 
 
 def _config(path: Path, overrides: list[str], eval_n: int, steps: int, minutes: float):
-    from polyrl.config_check import load_config
+    from polyrl import load_config
 
     base = [
         "eval.before=false", "eval.after=false", "logging.progress=false", "logging.tensorboard=false",
@@ -51,8 +51,7 @@ def _config(path: Path, overrides: list[str], eval_n: int, steps: int, minutes: 
 
 
 def _evaluate(run) -> dict[str, Any]:
-    from polyrl.engines.hf import HFEngine
-    from polyrl.rollout.multi_turn import evaluate
+    from polyrl import HFEngine, evaluate
 
     engine = HFEngine(run.model, run.tokenizer, bf16=False)
     cfg = run.config
@@ -63,7 +62,7 @@ def _evaluate(run) -> dict[str, Any]:
 
 def _train(path: Path, overrides: list[str], eval_n: int, steps: int, minutes: float, before: bool) -> dict:
     """Train one arm; returns eval before (optional) / after and per-step rollout statistics."""
-    from polyrl.train.step import build_run, rl_step
+    from polyrl import build_run, rl_step
 
     cfg = _config(path, overrides, eval_n, steps, minutes)
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,9 +96,7 @@ def _train(path: Path, overrides: list[str], eval_n: int, steps: int, minutes: f
 def _sft(path: Path, overrides: list[str], eval_n: int, steps: int, ckpt_dir: Path) -> dict:
     """The tool-call warm start: ``steps`` SFT steps on the env's demonstrations into ``ckpt_dir``; eval after
     (the RL parts start from ``ckpt_dir/checkpoints/step-N`` with ``--set model.name=...``)."""
-    from polyrl.checkpoint.store import latest_checkpoint
-    from polyrl.run.sft import train_sft
-    from polyrl.train.step import build_run
+    from polyrl import build_run, latest_checkpoint, train_sft
 
     cfg = _config(path, overrides, eval_n, steps, 1e9)
     t0 = time.perf_counter()

@@ -42,7 +42,7 @@ CORRECTIONS = ["none", "tis", "mis", "icepop", "geo_mask", "prob_mask"]
 
 def config(path: Path, overrides: list[str], keep_tasks: list[str] | None = None):
     """``path`` with ``overrides``; ``keep_tasks`` keeps only those tasks (and drops a pipeline's stages)."""
-    from polyrl.config_check import load_config
+    from polyrl import load_config
 
     if keep_tasks is None:
         return load_config(path, overrides)
@@ -56,16 +56,15 @@ def config(path: Path, overrides: list[str], keep_tasks: list[str] | None = None
 
 def train_and_read(cfg, run_dir: Path) -> tuple[dict, list[dict], str]:
     """Train ``cfg`` into ``run_dir``: its summary, its metrics rows and its final checkpoint."""
-    from polyrl.checkpoint.store import latest_checkpoint
-    from polyrl.run.loop import train
+    from polyrl import latest_checkpoint, run_training
 
-    summary = train(cfg, run_dir, log=lambda *_: None)
+    summary = run_training(cfg, run_dir, log=lambda *_: None)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, rows, str(latest_checkpoint(run_dir))
 
 
 def accuracy(cfg, model: str) -> dict[str, float]:
-    from polyrl.run.pipeline import evaluate_domains
+    from polyrl import evaluate_domains
 
     return evaluate_domains(cfg, model)
 

@@ -58,7 +58,7 @@ ALGORITHMS: dict[str, list[str]] = {
 def _config(path: Path, name: str, eval_n: int | None, steps: int | None = None, extra: list[str] | None = None):
     """The config of one run. With ``steps`` the run is that long, so a decaying learning-rate schedule
     reaches 0 at its end as in a real run; without, ``train.steps`` is huge and the schedule stays flat."""
-    from polyrl.config_check import load_config
+    from polyrl import load_config
 
     base = load_config(path)
     buffer = max(1, base.rollout.max_new_tokens // 4)
@@ -71,7 +71,7 @@ def _config(path: Path, name: str, eval_n: int | None, steps: int | None = None,
 
 
 def _accuracy(run) -> float:
-    from polyrl.train.step import evaluate_all
+    from polyrl import evaluate_all
 
     scores = evaluate_all(run)
     return sum(scores.values()) / len(scores)
@@ -81,7 +81,7 @@ def run_one(
     path: Path, name: str, minutes: float, points: int, eval_n: int | None, base_acc: float | None
 ) -> dict:
     """Train ``name`` for ``minutes`` of training time; accuracy at 0 and at ``points`` even intervals."""
-    from polyrl.train.step import build_run, rl_step
+    from polyrl import build_run, rl_step
 
     cfg, overrides = _config(path, name, eval_n)
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,7 +110,7 @@ def run_steps(path: Path, name: str, steps: int, points: int, eval_n: int | None
               base_acc: float | None) -> dict:
     """Train ``name`` for ``steps`` updates with the config's own schedule over them; accuracy at the start and
     at ``points`` evenly spaced steps."""
-    from polyrl.train.step import build_run, rl_step
+    from polyrl import build_run, rl_step
 
     cfg, overrides = _config(path, name, eval_n, steps, extra)
     due = sorted({max(1, round(steps * (i + 1) / points)) for i in range(points)})

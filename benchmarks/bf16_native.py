@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from cascade import machine
 
-from polyrl.models.device import native_bf16
+from polyrl import native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 # SmolLM2-135M's widest projection (hidden 576 -> gate and up, 2 x 1536) at 16 decode rows and at 1024

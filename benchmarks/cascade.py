@@ -52,7 +52,7 @@ def machine() -> str:
 
 
 def load(path: Path, seed: int, scale: float, eval_n: int | None, plain: bool):
-    from polyrl.config_check import load_config
+    from polyrl import load_config
 
     data = load_config(path).model_dump(mode="json")
     data["train"]["seed"] = seed
@@ -68,10 +68,10 @@ def load(path: Path, seed: int, scale: float, eval_n: int | None, plain: bool):
 
 def summarise(state: dict, tolerance: float) -> dict:
     """Final minus best per domain (points), the final and best-stage means, and the cost."""
-    from polyrl.run.pipeline import FLOAT_SLACK, registry
+    from polyrl import best_per_task
 
     rows, tasks = state["rows"], state["tasks"]
-    best = registry(rows)
+    best = best_per_task(rows)
     gaps = {t: round((rows[-1]["eval"][t] - best[t]["accuracy"]) * 100, 1) for t in tasks}
     means = {r["label"]: 100 * sum(r["eval"][t] for t in tasks) / len(tasks) for r in rows}
     best_stage = max(list(means)[:-1], key=lambda k: means[k])  # every column before the final one
@@ -81,7 +81,7 @@ def summarise(state: dict, tolerance: float) -> dict:
         "final_mean": round(means[rows[-1]["label"]], 2),
         "best_stage_mean": round(means[best_stage], 2),
         "best_stage": best_stage,
-        "final_mean_at_least_best_stage": means[rows[-1]["label"]] + FLOAT_SLACK >= means[best_stage],
+        "final_mean_at_least_best_stage": means[rows[-1]["label"]] + 1e-9 >= means[best_stage],  # float sums
         "samples": sum(r.get("samples") or 0 for r in rows[1:]),
         "samples_per_stage": {r["label"]: r.get("samples") for r in rows[1:]},
         "stage_wall_s": {r["label"]: round(r.get("wall_s") or 0.0, 1) for r in rows[1:]},
@@ -152,8 +152,7 @@ def main() -> None:
         write_doc(args.doc, args.out)
         return
 
-    from polyrl.models.device import engine_bf16, model_bf16
-    from polyrl.run.pipeline import registry, run_pipeline, table_markdown
+    from polyrl import best_per_task, engine_bf16, model_bf16, run_pipeline, table_markdown
 
     config = load(args.config, args.seed, args.scale, args.eval, args.plain)
     with tempfile.TemporaryDirectory(prefix="cascade-") as tmp:  # a run's checkpoints: about 10 GB
@@ -177,7 +176,8 @@ def main() -> None:
         "regressions": {r["label"]: r.get("regressions", {}) for r in state["rows"][1:]},
         "early_stop": {r["label"]: r["early_stop"] for r in state["rows"] if "early_stop" in r},
         "kept_best": {r["label"]: r["kept_best"] for r in state["rows"] if "kept_best" in r},
-        "registry": {t: {"stage": v["stage"], "accuracy": v["accuracy"]} for t, v in registry(state["rows"]).items()},
+        "registry": {t: {"stage": v["stage"], "accuracy": v["accuracy"]}
+                     for t, v in best_per_task(state["rows"]).items()},
         "tolerance_points": args.tolerance,
         "table": table_markdown(state, config.pipeline.regression_threshold),
         **summarise(state, args.tolerance),

@@ -15,8 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from polyrl.config_check import load_config
-from polyrl.run.pipeline import evaluate_domains
+from polyrl import evaluate_domains, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,9 +35,15 @@ def _timed(fn, *args):
 def main() -> None:
     from test_code_verdict import HACKS, _problem
 
-    from polyrl.rewards import code_verdict
-    from polyrl.rewards.code import build_program, humaneval_problems, score_humaneval
-    from polyrl.rewards.sandbox import isolation_level, run_python
+    from polyrl import (
+        VerdictLimits,
+        build_program,
+        humaneval_problems,
+        isolation_level,
+        record_plan,
+        run_python,
+        score_humaneval,
+    )
 
     problems = humaneval_problems()
     ids = sorted(problems, key=lambda t: int(t.rsplit("/", 1)[1]))
@@ -65,10 +71,10 @@ def main() -> None:
         old = dict(zip(ids, pool.map(naive, ids), strict=True))
         hacks = list(pool.map(hack, HACKS))
 
-    limits = code_verdict.Limits(10.0, 512, 4, 4, 16_000)
+    limits = VerdictLimits(10.0, 512, 4, 4, 16_000)
     rows = []
     for t in ids:
-        plan = code_verdict.record_plan(problems[t], limits)  # cached: no sandbox run here
+        plan = record_plan(problems[t], limits)  # cached: no sandbox run here
         rows.append({"task_id": t, "passed": [first[t][0].reward == 1.0, second[t][0].reward == 1.0],
                      "path": "compared" if plan.exact else "replayed", "calls": len(plan.calls),
                      "first_s": round(first[t][1], 3), "second_s": round(second[t][1], 3),

@@ -43,8 +43,7 @@ def run_variant(config: Path, overrides: list[str], steps: int, seed: int, eval_
                 start: float | None = None) -> dict:
     """Train one variant for ``steps``; ``start``: the accuracy of the starting weights when already known
     (every variant starts from the same ones)."""
-    from polyrl.config_check import load_config
-    from polyrl.train.step import build_run, evaluate_all, rl_step
+    from polyrl import build_run, evaluate_all, load_config, rl_step
 
     base = load_config(config)
     extra = ["eval.before=false", "eval.after=false", "logging.progress=false", f"train.seed={seed}"]
@@ -71,7 +70,7 @@ def run_variant(config: Path, overrides: list[str], steps: int, seed: int, eval_
 
 def _algo(base: dict, overrides: list[str]) -> dict:
     """``base`` (a dumped ``algorithm``) with the ``algorithm.*`` settings among ``overrides`` applied."""
-    from polyrl.config import apply_override
+    from polyrl import apply_override
 
     data = {"algorithm": copy.deepcopy(base)}
     for o in overrides:
@@ -87,14 +86,17 @@ def probe(config: Path, seed: int, batches: int, on_result: Callable[[dict], Non
     gradient norm. No held-out evaluation: one update each, from a fresh optimizer."""
     import torch
 
-    from polyrl.algorithms import kl_estimate
-    from polyrl.config import AlgorithmConfig
-    from polyrl.config_check import load_config
-    from polyrl.learner.batch import collate
-    from polyrl.learner.learner import Learner
-    from polyrl.learner.logprobs import token_logprobs
-    from polyrl.models.device import model_bf16
-    from polyrl.train.step import build_run, produce_batch
+    from polyrl import (
+        AlgorithmConfig,
+        Learner,
+        build_run,
+        collate,
+        kl_estimate,
+        load_config,
+        model_bf16,
+        produce_batch,
+        token_logprobs,
+    )
 
     cfg = load_config(config, [*BENCH, "eval.before=false", "eval.after=false", "logging.progress=false",
                                f"train.seed={seed}"])

@@ -34,7 +34,7 @@ def sample_prompts(tok) -> list[list[int]]:
 def logprob_gaps(engine, model, prompts: list[list[int]], bf16: bool) -> dict[str, float]:
     """8 samples of up to 48 tokens per prompt from ``engine``; |engine - learner| over every sampled token, the
     learner's log-prob computed as the learner does (under bf16 autocast or not): count, mean, p99, max."""
-    from polyrl.models.forward import forward_logits
+    from polyrl import forward_logits
 
     def learner_logprobs(prompt: list[int], tokens: list[int]) -> torch.Tensor:
         ids = torch.tensor([prompt + tokens])
@@ -51,8 +51,7 @@ def logprob_gaps(engine, model, prompts: list[list[int]], bf16: bool) -> dict[st
 
 
 def main() -> None:
-    from polyrl.engines.hf import HFEngine
-    from polyrl.models.loading import SMOLLM2_ALIAS, load_model, load_tokenizer
+    from polyrl import SMOLLM2_ALIAS, HFEngine, load_model, load_tokenizer
 
     tok, model = load_tokenizer(SMOLLM2_ALIAS), load_model(SMOLLM2_ALIAS)
     prompts = sample_prompts(tok)

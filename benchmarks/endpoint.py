@@ -31,9 +31,7 @@ from typing import Any
 
 import openai
 
-from polyrl.envs.reasoning_gym import last_number
-from polyrl.envs.tool_math import INSTRUCTIONS, calculate
-from polyrl.envs.tools import Tool
+from polyrl import TOOL_MATH_INSTRUCTIONS, Tool, calculate, last_number
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = [Tool.from_function(calculate).schema]
@@ -77,7 +75,7 @@ async def _ask_required(client: openai.AsyncOpenAI, messages: list[dict], turn: 
 
 async def _solve(client: openai.AsyncOpenAI, item: dict, ask: Ask) -> float:
     """tool_math as an agent: ask, run the calculate calls, score the final reply's last number."""
-    messages = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": item["question"]}]
+    messages = [{"role": "system", "content": TOOL_MATH_INSTRUCTIONS}, {"role": "user", "content": item["question"]}]
     for turn in range(3):
         reply = await ask(client, messages, turn)
         if not reply.get("tool_calls"):
@@ -113,7 +111,7 @@ AGENTS = {"native": None, "endpoint": "benchmarks.endpoint:solve",
 
 
 def _config(arm: str, args: argparse.Namespace, steps: int):
-    from polyrl.config_check import load_config
+    from polyrl import load_config
 
     overrides = [
         f"train.steps={steps}", "train.max_minutes=null", f"tasks.0.eval_size={args.eval}", "tasks.0.max_tokens=null",
@@ -128,7 +126,7 @@ def _config(arm: str, args: argparse.Namespace, steps: int):
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
     """Rollouts of the same groups at the same (initial) weights through each path, alternating round by round
     after one untimed warm-up round each: generated tokens per second of rollout wall time."""
-    from polyrl.train.step import build_run
+    from polyrl import build_run
 
     arms = args.arms.split(",")
     runs = {arm: build_run(_config(arm, args, 1), Path(tempfile.mkdtemp())) for arm in arms}
@@ -167,11 +165,11 @@ def overhead(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def train_arm(arm: str, args: argparse.Namespace) -> dict[str, Any]:
-    from polyrl.run.loop import train
+    from polyrl import run_training
 
     cfg = _config(arm, args, args.steps)
     with tempfile.TemporaryDirectory(prefix="polyrl-endpoint-") as tmp:  # checkpoints: GBs, not kept
-        summary = train(cfg, Path(tmp), log=lambda m: None)
+        summary = run_training(cfg, Path(tmp), log=lambda m: None)
         rows = [json.loads(line) for line in (Path(tmp) / "metrics.jsonl").read_text().splitlines()]
     out = {
         "steps": summary["steps"], "samples": sum(cfg.rollout.prompts_per_step * cfg.rollout.group_size for _ in rows),

@@ -30,20 +30,20 @@ QUESTIONS = [
 
 
 def _engine(kind: str, policy, tok, args):
-    from polyrl.config import VllmConfig
+    from polyrl import VllmConfig
 
     if kind == "hf":
-        from polyrl.engines.hf import HFEngine
+        from polyrl import HFEngine
 
         return HFEngine(policy, tok, bf16=True, bf16_weights=True)
-    from polyrl.engines.vllm import VLLMEngine
+    from polyrl import VLLMEngine
 
     cfg = VllmConfig(dtype="bfloat16", max_model_len=1024, cpu_kv_cache_gib=1, enforce_eager=not args.compile)
     return VLLMEngine(policy, tok, "smollm2-135m-instruct", cfg, seed=0)
 
 
 def measure(kind: str, args) -> dict:
-    from polyrl.models.loading import load_model, load_tokenizer
+    from polyrl import load_model, load_tokenizer
 
     tok = load_tokenizer("smollm2-135m-instruct")
     policy = load_model("smollm2-135m-instruct")

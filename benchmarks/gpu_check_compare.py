@@ -103,7 +103,7 @@ def trl_ratio(setup: Setup, size: str, prompts: int, group_size: int, prompt_len
 def _polyrl_steps(setup: Setup, size: str, prompt_ids: list[list[int]], prompts: int, group_size: int,
                   new_tokens: int, micro_batch: int) -> list[float]:
     """Seconds of each polyrl step (rollout, update, sync) over consecutive ``prompts`` of ``prompt_ids``."""
-    from polyrl.engines.hf import HFEngine
+    from polyrl import HFEngine
 
     model = build_model(size, setup.device)
     engine = HFEngine(model, tokenizer(), bf16=setup.bf16, bf16_weights=True)

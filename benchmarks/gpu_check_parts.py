@@ -25,13 +25,12 @@ from typing import Any
 
 import torch
 
-from polyrl.config import AlgorithmConfig, OptimConfig
-from polyrl.types import Trajectory
+from polyrl import AlgorithmConfig, OptimConfig, Trajectory
 
 QWEN3_VOCAB = 151936
 SMOLLM2_VOCAB = 49152
 """The tiny model's vocabulary: its tokenizer's, so that prompts made from text fit it."""
-PAD = 2  # SmolLM2's pad and end-of-text id, which make_config gives every synthetic model
+PAD = 2  # SmolLM2's pad and end-of-text id, which synthetic_model_config gives every synthetic model
 PARITY_RTOL = 1e-4
 """The CUDA learner's entropy, gradient norm and gradients agree with the CPU's to this relative error (float32,
 TF32 off): summation order differs, so bit-equality is not expected."""
@@ -79,15 +78,15 @@ def vocab_of(size: str) -> int:
 def build_model(size: str, device: torch.device | str, seed: int = 0, float32_attention: bool = True):
     """A Qwen3-shaped causal LM with random float32 weights, created on ``device``."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    from polyrl.models.forward import use_float32_attention
-    from polyrl.models.loading import _quiet_transformers
-    from polyrl.models.synthetic import make_config
+    from polyrl import synthetic_model_config, use_float32_attention
 
-    _quiet_transformers()
+    hf_logging.set_verbosity_error()  # transformers' warnings and progress bars off, as load_model has them
+    hf_logging.disable_progress_bar()
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(make_config("qwen3", size, vocab_size=vocab_of(size)),
+        model = AutoModelForCausalLM.from_config(synthetic_model_config("qwen3", size, vocab_size=vocab_of(size)),
                                                  dtype=torch.float32)
     model = model.to(device)
     model.config.use_cache = True
@@ -99,7 +98,7 @@ def build_model(size: str, device: torch.device | str, seed: int = 0, float32_at
 def tokenizer():
     """SmolLM2's tokenizer, as polyrl's tiny random model uses it, from polyrl's cache (a GPU machine without
     the bundled model gets it from the bundle: scripts/gpu_bundle.sh)."""
-    from polyrl.models.loading import TINY_ALIAS, ModelNotFoundError, cache_dir, load_tokenizer
+    from polyrl import TINY_ALIAS, ModelNotFoundError, cache_dir, load_tokenizer
 
     try:
         return load_tokenizer(TINY_ALIAS)
@@ -110,7 +109,7 @@ def tokenizer():
 
 def make_learner(model, bf16: bool, micro_batch: int, lr: float, **kwargs: Any):
     """The quickstart's objective (GRPO advantages, PPO clip, no KL reference) with AdamW at ``lr``."""
-    from polyrl.learner.learner import Learner
+    from polyrl import Learner
 
     algo = AlgorithmConfig(regularisers={"track_kl": False})
     return Learner(model, algo, OptimConfig(lr=lr, micro_batch_size=micro_batch),
@@ -125,7 +124,7 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def scored(trajectories: list[Trajectory]) -> list[Trajectory]:
     """Rewards 0 and 1 in turn within each group and GRPO's advantages from them, so every group has a gradient
     to follow (a random model earns nothing real)."""
-    from polyrl.algorithms.advantages import grpo_advantages
+    from polyrl import grpo_advantages
 
     rewards = torch.tensor([float(i % 2) for i in range(len(trajectories))])
     advantages = grpo_advantages(rewards, torch.tensor([t.group_id for t in trajectories]))
@@ -249,7 +248,7 @@ def rollout_sync(setup: Setup, size: str, prompts: int, group_size: int, prompt_
     update on those samples and ``engine.sync()``, whose result is checked: every tensor of the engine's copy
     equals the learner's weight in bf16, the head's float32 copy equals the learner's, and the update changed
     the copy. The update's engine/learner mismatch (KL of the sampled tokens' log-probs) is recorded."""
-    from polyrl.engines.hf import HFEngine
+    from polyrl import HFEngine
 
     model = build_model(size, setup.device)
     engine = HFEngine(model, tokenizer(), bf16=setup.bf16, bf16_weights=True)
@@ -292,11 +291,7 @@ def fsdp_checkpoint(setup: Setup, size: str, groups: int, group_size: int, promp
     and the same next update on both (entropy and gradient norm compared)."""
     from torch.distributed.tensor import DTensor
 
-    from polyrl.checkpoint.sharded import load_sharded, save_sharded
-    from polyrl.parallel.fsdp import gather_into
-    from polyrl.parallel.group import join_group, leave_group
-    from polyrl.parallel.launch import free_port
-    from polyrl.parallel.shard_gather import full_tensor
+    from polyrl import free_port, full_tensor, gather_into, join_group, leave_group, load_sharded, save_sharded
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     join_group("auto", 300.0, setup.device)

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from polyrl.config_check import load_config
-from polyrl.train.step import build_run, rl_step
+from polyrl import build_run, load_config, rl_step
 
 ROOT = Path(__file__).resolve().parents[1]
 

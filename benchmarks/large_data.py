@@ -153,14 +153,14 @@ def train_run(items: Path, work: Path) -> dict:
 
 
 def task_config(items: Path):
-    from polyrl.config import TaskConfig
+    from polyrl import TaskConfig
 
     return TaskConfig(name="qa", items=str(items), prompt=PROMPT, reward="last_number")
 
 
 def task_build_worker(items: Path) -> dict:
     """In this (fresh) process: ``make_task``'s seconds and memory, then the first training row's read."""
-    from polyrl.envs.base import make_task
+    from polyrl import make_task
 
     config = task_config(items)
     proc = psutil.Process()
@@ -208,7 +208,7 @@ def task_build_worker(items: Path) -> dict:
 
 def profile_worker(items: Path, top: int = 10) -> dict:
     """cProfile of one ``make_task``: the ``top`` functions by own time."""
-    from polyrl.envs.base import make_task
+    from polyrl import make_task
 
     config = task_config(items)
     profiler = cProfile.Profile()

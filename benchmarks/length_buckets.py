@@ -1,6 +1,6 @@
-"""Learner update time with responses of mixed lengths, three ways, alternating in one process (so a machine
-whose speed drifts affects all three alike): one padded response pass with the output head on every padded
-position (before), the head on response tokens only, and responses in length buckets as well (the default).
+"""Learner update time with responses of mixed lengths, two ways, alternating in one process (so a machine
+whose speed drifts affects both alike): one padded response pass, and responses in length buckets (the default);
+the output head runs on response tokens only in both.
 
     python benchmarks/length_buckets.py            # SmolLM2-135M, ~3 min; writes the JSON below
 
@@ -32,7 +32,7 @@ def quickstart_learner():
     response lengths (random tokens, random advantages)."""
     import roofline
 
-    from polyrl.types import Trajectory
+    from polyrl import Trajectory
 
     model, tokenizer, engine, learner = roofline.build("smollm2-135m-instruct", 16)
     del engine
@@ -55,25 +55,15 @@ def quickstart_learner():
 
 
 def main() -> None:
-    from polyrl.learner import forward_pass
-    from polyrl.learner import learner as learner_module
+    from polyrl import pass_costs
 
     learner, trajectories = quickstart_learner()
-    forward_pass.PACKED_ATTENTION = 0  # buckets only: packing (benchmarks/packing.py) came after this comparison
-
-    bucketed_forward = learner_module.Learner._forward
-
-    def padded_head_forward(self, batch, entropy_grad=False):  # the head on every padded position
-        hidden = forward_pass.response_hidden(self.model, batch, self.bf16, self.share_prefix)
-        return (*learner_module.chunked_logprobs(
-            self.model, hidden, batch.targets, self.temperature, entropy_grad, bf16_backward=self.bf16,
-        ), None, None)
-
     never = 10**9  # a bucket cost no padding can repay: one response pass
+    # bucket_overhead for each variant (None: the learner's own); packing off in both (packed_attention 0), as
+    # packing (benchmarks/packing.py) came after this comparison
     variants = {
-        "one padded pass, head on padding (before)": (padded_head_forward, never),
-        "one padded pass, head on response tokens": (bucketed_forward, never),
-        "length buckets, head on response tokens (default)": (bucketed_forward, forward_pass.BUCKET_OVERHEAD),
+        "one padded pass, head on response tokens": never,
+        "length buckets, head on response tokens (default)": None,
     }
     results = {}
     for case, lengths in CASES.items():
@@ -81,11 +71,12 @@ def main() -> None:
         times: dict[str, list[float]] = {k: [] for k in variants}
         for i in range(len(variants) * 7):
             name = list(variants)[i % len(variants)]
-            learner_module.Learner._forward, forward_pass.BUCKET_OVERHEAD = variants[name]
-            start = time.perf_counter()
-            learner.update(batch)
+            with pass_costs(bucket_overhead=variants[name], packed_attention=0):
+                start = time.perf_counter()
+                learner.update(batch)
+                took = time.perf_counter() - start
             if i >= 2 * len(variants):  # warm-up rounds
-                times[name].append(time.perf_counter() - start)
+                times[name].append(took)
         results[case] = {"response_lengths": lengths, **{k: statistics.median(v) for k, v in times.items()}}
         print(case, {k: round(v, 3) for k, v in results[case].items() if k != "response_lengths"}, flush=True)
     out = ROOT / "benchmarks" / "results" / "length_buckets.json"

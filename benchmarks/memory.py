@@ -31,7 +31,7 @@ import psutil
 from cascade import machine
 from doc_block import replace_block
 
-from polyrl.models.device import native_bf16
+from polyrl import native_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = [ROOT / "configs" / "quickstart.yaml"]  # --config
@@ -89,8 +89,7 @@ def breakdown(steps: int, eval_size: int) -> dict:
     """Bytes held by each part of the run after one step, and the RSS around it."""
     import torch
 
-    from polyrl.config_check import load_config
-    from polyrl.train.step import build_run, rl_step
+    from polyrl import build_run, load_config, rl_step
 
     config = load_config(CONFIG[0], overrides(steps, eval_size))
     proc = psutil.Process()

@@ -42,7 +42,7 @@ TASKS = {
 
 
 def make_config(model: str, tasks: list[str], steps: int, task_norm: bool, eval_n: int, args):
-    from polyrl.config_check import load_config
+    from polyrl import load_config
 
     data = {
         "name": "multitask",
@@ -62,7 +62,7 @@ def make_config(model: str, tasks: list[str], steps: int, task_norm: bool, eval_
 
 def run_one(cfg, base: dict[str, float] | None) -> dict:
     """Train ``cfg.train.steps`` steps; held-out accuracy per task at the start (unless given) and end."""
-    from polyrl.train.step import build_run, evaluate_all, rl_step
+    from polyrl import build_run, evaluate_all, rl_step
 
     with tempfile.TemporaryDirectory() as tmp:
         run = build_run(cfg, Path(tmp))

@@ -49,12 +49,18 @@ def best_of(fn, repeats: int = 5, calls: int = 20) -> float:
 
 def kernels(rows: int, dtype: torch.dtype = torch.bfloat16) -> dict[str, dict[str, float]]:
     """Microseconds per call of each kernel and its torch counterpart, in ``dtype`` (bfloat16 or float32)."""
-    from polyrl.engines import native
-    from polyrl.engines.decode_kv import KVBuffers, PromptSharedKV
-    from polyrl.engines.hf import sample_tokens
-    from polyrl.engines.llama_decode import native_linear, rescore_top, rms_norm, rotate_half
+    from polyrl import (
+        KVBuffers,
+        PromptSharedKV,
+        native_linear,
+        native_ops,
+        rescore_top,
+        rms_norm,
+        rotate_half,
+        sample_tokens,
+    )
 
-    ops = native.ops()
+    ops = native_ops()
     gen = torch.Generator().manual_seed(0)
     x, delta, w = (torch.randn(s, generator=gen).to(dtype) for s in ((rows, HIDDEN), (rows, HIDDEN), (HIDDEN,)))
     out = {}
@@ -149,11 +155,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "native_kernels.json")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    from polyrl.engines import native
-    from polyrl.train.glibc_malloc import keep_freed_memory
+    from polyrl import keep_freed_memory, native_kernels_available, native_ops
 
     keep_freed_memory()  # as every run does (runtime.keep_freed_memory): no page faults on reused buffers
-    if not native.available():
+    if not native_kernels_available():
         raise SystemExit("the native kernels did not build on this machine (see the warning above)")
     per_kernel = {}
     for rows in args.rows:
@@ -161,7 +166,7 @@ def main() -> None:
         for name, t in per_kernel[rows].items():
             print(f"{rows:>4} rows  {name:<40} torch {t['torch_us']:8.1f} us   native {t['native_us']:8.1f} us",
                   flush=True)
-    result = {"threads": torch.get_num_threads(), "dtype": args.dtype, "isa": native.ops().isa(),
+    result = {"threads": torch.get_num_threads(), "dtype": args.dtype, "isa": native_ops().isa(),
               "cpu_capability": torch.backends.cpu.get_cpu_capability(), "kernels_us": per_kernel,
               "rollout": rollout(args.rows, args.repeats) if dtype == torch.bfloat16 else None}
     args.out.parent.mkdir(parents=True, exist_ok=True)

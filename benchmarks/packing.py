@@ -33,38 +33,29 @@ ROUNDS = 7  # per variant and case; the first two are warm-up
 def main() -> None:
     from length_buckets import quickstart_learner
 
-    from polyrl.learner import forward_pass
+    from polyrl import pass_costs, record_passes
 
     learner, trajectories = quickstart_learner()
-    default = forward_pass.PACKED_ATTENTION
-    variants = {"length buckets": 0, "one packed row": 10**12, "default (the cheaper by the cost model)": default}
-    chosen: list[str] = []
-    packed_fn = forward_pass._packed
-
-    def recording_packed(*args):
-        chosen.append("packed")
-        return packed_fn(*args)
-
-    forward_pass._packed = recording_packed
+    # packed_attention for each variant: 0 never packs, a huge value always does, None keeps the cost model's own
+    variants = {"length buckets": 0, "one packed row": 10**12, "default (the cheaper by the cost model)": None}
     results = {}
     for case, lengths in CASES.items():
         batch = trajectories(lengths)
         times: dict[str, list[float]] = {k: [] for k in variants}
         for i in range(len(variants) * ROUNDS):
             name = list(variants)[i % len(variants)]
-            forward_pass.PACKED_ATTENTION = variants[name]
-            chosen.clear()
-            start = time.perf_counter()
-            learner.update(batch)
+            with pass_costs(packed_attention=variants[name]), record_passes() as passes:
+                start = time.perf_counter()
+                learner.update(batch)
+                took = time.perf_counter() - start
             if i >= 2 * len(variants):
-                times[name].append(time.perf_counter() - start)
+                times[name].append(took)
             if name.startswith("default"):
-                default_took = "one packed row" if chosen else "length buckets"
+                default_took = "one packed row" if any(p.layout == "packed" for p in passes) else "length buckets"
         results[case] = {"response_lengths": lengths, **{k: statistics.median(v) for k, v in times.items()},
                          "default took": default_took}
         print(case, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in results[case].items()
                      if k != "response_lengths"}, flush=True)
-    forward_pass.PACKED_ATTENTION = default
     out = ROOT / "benchmarks" / "results" / "packing.json"
     out.write_text(json.dumps({"seconds_per_update_median": results}, indent=1) + "\n")
 

@@ -28,10 +28,7 @@ def category(item: dict) -> str:
 
 def heldout_breakdown(model, tokenizer, n: int = 200) -> dict:
     """Greedy float32 accuracy on the quickstart's seed-0 held-out items, overall and per category."""
-    from polyrl.config_check import load_config
-    from polyrl.engines.hf import HFEngine
-    from polyrl.envs.base import make_task
-    from polyrl.rollout.multi_turn import greedy, rollout
+    from polyrl import HFEngine, greedy, load_config, make_task, rollout_episodes
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml")
     task = make_task(cfg.tasks[0], 0, cfg.model.system_prompt, tokenizer)
@@ -40,7 +37,7 @@ def heldout_breakdown(model, tokenizer, n: int = 200) -> dict:
     trajectories = []
     for s in range(0, len(items), 64):
         chunk = [(task, s + i, item) for i, item in enumerate(items[s : s + 64])]
-        trajectories += rollout(engine, chunk, greedy(cfg.rollout.max_new_tokens), seed=0, version=-1)
+        trajectories += rollout_episodes(engine, chunk, greedy(cfg.rollout.max_new_tokens), seed=0, version=-1)
     right, total = Counter(), Counter()
     for item, t in zip(items, trajectories, strict=True):
         total[category(item)] += 1
@@ -59,8 +56,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="dotted config overrides, as for polyrl train")
     args = p.parse_args()
 
-    from polyrl.config_check import load_config
-    from polyrl.train.step import build_run, rl_step
+    from polyrl import build_run, load_config, rl_step
 
     fixed = ["eval.before=false", "eval.after=false", "logging.progress=false", f"train.seed={args.seed}"]
     cfg = load_config(ROOT / "configs" / "quickstart.yaml", fixed + args.overrides)

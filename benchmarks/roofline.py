@@ -120,7 +120,7 @@ def matmul_ceiling(engine, rows: int, repeats: int, clock: Callable[[], float] =
 
 def rollout_trajectories(engine, prompt: list[int], prompts: int, group: int, new_tokens: int) -> list:
     """Scored-looking trajectories from real samples, with random advantages so every token has a gradient."""
-    from polyrl.types import Trajectory
+    from polyrl import Trajectory
 
     stop_ids, engine.stop_ids = engine.stop_ids, set()
     try:
@@ -161,11 +161,7 @@ def training_flops(model, trajectories: list, share_prefix: bool = True) -> dict
 
 
 def build(model_name: str, micro_batch: int, total_steps: int = 1000):
-    from polyrl.config import AlgorithmConfig, OptimConfig
-    from polyrl.engines.hf import HFEngine
-    from polyrl.learner.learner import Learner
-    from polyrl.models.loading import load_model, load_tokenizer
-    from polyrl.train.glibc_malloc import keep_freed_memory
+    from polyrl import AlgorithmConfig, HFEngine, Learner, OptimConfig, keep_freed_memory, load_model, load_tokenizer
 
     keep_freed_memory()  # as every training run does (runtime.keep_freed_memory)
     tokenizer = load_tokenizer(model_name)
@@ -212,7 +208,7 @@ def main() -> None:
     for prompts in args.wide_prompts:
         engine.generate([prompt] * prompts, n=args.group, max_new_tokens=8)  # warm-up at this width
         wide[prompts * args.group] = measure_rollout(engine, prompt, prompts, args.group, args.new_tokens, args.repeats)
-    from polyrl.engines.hf import HFEngine
+    from polyrl import HFEngine
 
     ceilings = {rows: matmul_ceiling(engine, rows, args.repeats) for rows in [batch, *wide]}
     torch_ops = HFEngine(model, tokenizer, bf16=True, bf16_weights=True, native_kernels=False)

@@ -123,13 +123,13 @@ class SavedTensors:
 def build_model(layers: int, seed: int = 0):
     """The llama3 ``1b`` synthetic model with ``layers`` decoder layers, float32, as ``load_model`` sets it up."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    from polyrl.models.forward import use_float32_attention
-    from polyrl.models.loading import _quiet_transformers
-    from polyrl.models.synthetic import make_config
+    from polyrl import synthetic_model_config, use_float32_attention
 
-    _quiet_transformers()
-    config = make_config("llama3", "1b")
+    hf_logging.set_verbosity_error()  # transformers' warnings and progress bars off, as load_model has them
+    hf_logging.disable_progress_bar()
+    config = synthetic_model_config("llama3", "1b")
     config.num_hidden_layers = layers
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -141,7 +141,7 @@ def build_model(layers: int, seed: int = 0):
 def quickstart_batch(seed: int = 0, groups: int = 2, group_size: int = 8, vocab: int = 49152):
     """Trajectories of the quickstart's shape: ``groups`` prompts of ~60 tokens, ``group_size`` responses each
     of 30 to 50 tokens (mean ~40), rewards 0/1 with GRPO advantages (reward minus the group mean, over its std)."""
-    from polyrl.types import Trajectory
+    from polyrl import Trajectory
 
     rng = random.Random(seed)
     out = []
@@ -163,28 +163,12 @@ def quickstart_batch(seed: int = 0, groups: int = 2, group_size: int = 8, vocab:
 
 
 def learner_configs():
-    from polyrl.config import AlgorithmConfig, OptimConfig
+    from polyrl import AlgorithmConfig, OptimConfig
 
     algo = AlgorithmConfig(advantage="grpo", loss={"name": "ppo_clip", "clip_high": 0.28},
                            regularisers={"track_kl": False})
     optim = OptimConfig(lr=3.0e-5, schedule="linear", micro_batch_size=16)
     return algo, optim
-
-
-def count_decoder_passes() -> list[bool]:
-    """Wrap the decoder call the learner's forward pass makes (``learner/forward_pass.decoder_forward``, one
-    autocast region each) so each call is recorded (True: with gradients); returns the record."""
-    import polyrl.learner.forward_pass as fp
-
-    calls: list[bool] = []
-    inner = fp.decoder_forward
-
-    def counted(*args, **kwargs):
-        calls.append(torch.is_grad_enabled())
-        return inner(*args, **kwargs)
-
-    fp.decoder_forward = counted
-    return calls
 
 
 def _state_bytes(model, learner) -> dict:
@@ -198,8 +182,7 @@ def _state_bytes(model, learner) -> dict:
 
 def _rank(layers: int, updates: int, out_dir: str, budget_gb: float, checkpointing: bool = False) -> None:
     """One rank's measurement; writes ``rank-<r>.json`` in ``out_dir``."""
-    from polyrl.parallel.group import barrier, join_group, leave_group
-    from polyrl.plan import Ranks
+    from polyrl import Ranks, barrier, join_group, leave_group
 
     world = int(os.environ["WORLD_SIZE"])
     # A failed allocation instead of the OOM killer when this rank outgrows its share of the machine.
@@ -207,8 +190,7 @@ def _rank(layers: int, updates: int, out_dir: str, budget_gb: float, checkpointi
     limit = int((vsz + budget_gb) * GB)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     ranks = join_group("gloo", 1800.0, torch.device("cpu")) if world > 1 else Ranks()
-    from polyrl.config import LearnerConfig
-    from polyrl.learner.learner import Learner
+    from polyrl import Learner, LearnerConfig, record_passes
 
     rec: dict = {"rank": ranks.rank, "world_size": ranks.world_size, "threads": torch.get_num_threads(),
                  "address_space_limit_gb": limit / GB, "phases": {}}
@@ -231,20 +213,19 @@ def _rank(layers: int, updates: int, out_dir: str, budget_gb: float, checkpointi
         phases["build_learner"] = {"seconds": time.perf_counter() - t0, "peak_rss_gb": peak(), "rss_after_gb": rss(),
                                    "held": _state_bytes(model, learner)}
         trajectories = quickstart_batch()
-        calls = count_decoder_passes()
         for k in range(updates):
             barrier(ranks)
             saved = SavedTensors(weight_shapes)
             reset_peak()
-            calls.clear()
             t0 = time.perf_counter()
-            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t), record_passes() as passes:
                 metrics = learner.update(trajectories)
             seconds = time.perf_counter() - t0
             phases[f"update_{k + 1}"] = {
                 "seconds": seconds, "peak_rss_gb": peak(), "rss_after_gb": rss(),
                 "held_after": _state_bytes(model, learner), **saved.summary(),
-                "decoder_passes_with_grad": calls.count(True), "decoder_passes_without_grad": calls.count(False),
+                "decoder_passes_with_grad": sum(p.with_grad for p in passes),
+                "decoder_passes_without_grad": sum(not p.with_grad for p in passes),
                 "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
             }
         rec["ru_maxrss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GB
@@ -332,8 +313,7 @@ def wait_for_memory(needed: float, minutes: float) -> float:
 
 def run_config(layers: int, world: int, updates: int, measured: dict, wait_minutes: float,
                checkpointing: bool = False) -> dict:
-    from polyrl.parallel.group import RankFailedError
-    from polyrl.parallel.launch import launch_ranks
+    from polyrl import RankFailedError, launch_ranks
 
     available = mem_available()
     predicted, how = predict_total(layers, world, measured)

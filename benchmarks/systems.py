@@ -75,9 +75,7 @@ def config_data(model: str, steps: int, latency: bool = True) -> dict:
 def warm_start(model: str, sft_steps: int, out: Path) -> str:
     """SFT on the tasks' demonstrations (tool calls for the tool tasks, the gold answer for chain_sum); returns
     the checkpoint every runtime starts from."""
-    from polyrl.checkpoint.store import latest_checkpoint
-    from polyrl.config_check import load_config
-    from polyrl.run.sft import train_sft
+    from polyrl import latest_checkpoint, load_config, train_sft
 
     run_dir = out / f"sft-{model}"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -91,15 +89,14 @@ def warm_start(model: str, sft_steps: int, out: Path) -> str:
 def measure(name: str, overrides: list[str], model: str, steps: int, out: Path) -> dict:
     import torch
 
-    from polyrl.config_check import load_config
-    from polyrl.run.loop import train
+    from polyrl import load_config, run_training
 
     run_dir = out / name
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = load_config(None, overrides, data=config_data(model, steps))
     torch.set_num_threads(LEARNER_THREADS)
     t0 = time.perf_counter()
-    train(cfg, run_dir, log=lambda *_: None)
+    run_training(cfg, run_dir, log=lambda *_: None)
     wall = time.perf_counter() - t0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = rows[1:]

@@ -29,12 +29,11 @@ BAR = 0.745  # TRL's 15-minute result on this setup, the accuracy polyrl must re
 
 
 def _task(eval_n: int = 200):
-    from polyrl.config_check import load_config
-    from polyrl.envs.reasoning_gym import ReasoningGymTask
+    from polyrl import load_config, make_task
 
     cfg = load_config(QUICKSTART)
     task_cfg = cfg.tasks[0].model_copy(update={"eval_size": eval_n})
-    return ReasoningGymTask(task_cfg, cfg.train.seed)
+    return make_task(task_cfg, cfg.train.seed)  # the quickstart's reasoning_gym task
 
 
 class Snapshots:
@@ -75,8 +74,7 @@ class Snapshots:
 def worker_polyrl(args) -> dict:
     import torch
 
-    from polyrl.config_check import load_config
-    from polyrl.train.step import build_run, rl_step
+    from polyrl import build_run, load_config, rl_step
 
     torch.manual_seed(0)
     overrides = ["eval.before=false", "eval.after=false", "logging.progress=false"]
@@ -110,7 +108,7 @@ def worker_trl(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from polyrl.models.loading import smollm2_dir
+    from polyrl import smollm2_dir
 
     torch.manual_seed(0)
     task = _task()
@@ -177,9 +175,7 @@ def worker_trl(args) -> dict:
 
 
 def evaluate_dir(path: str | None, eval_n: int) -> float:
-    from polyrl.engines.hf import HFEngine
-    from polyrl.models.loading import SMOLLM2_ALIAS, load_model, load_tokenizer
-    from polyrl.rollout.multi_turn import evaluate
+    from polyrl import SMOLLM2_ALIAS, HFEngine, evaluate, load_model, load_tokenizer
 
     name = path or SMOLLM2_ALIAS
     engine = HFEngine(load_model(name), load_tokenizer(SMOLLM2_ALIAS), bf16=False)

@@ -41,14 +41,15 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from polyrl.parallel.sync_group import join_sync_group  # noqa: E402
-from polyrl.parallel.weight_sync import (  # noqa: E402
-    MB,
+from polyrl import (  # noqa: E402
     WeightReceiver,
     WeightSender,
     canonical_name,
     iter_full_state,
+    join_sync_group,
 )
+
+MB = 1_000_000  # 1 MB is 10**6 bytes, as in WeightSender(bucket_mb=...)
 
 LLAMA_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                 intermediate_size=8192, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
@@ -67,7 +68,7 @@ def _build(model_name: str, sharded: bool) -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     if model_name == "smollm2-135m-instruct":
-        from polyrl.models.loading import load_model
+        from polyrl import load_model
 
         model = load_model(model_name)
     else:
@@ -211,7 +212,7 @@ def _median(xs: list[float]) -> float:
 
 
 def measure(model: str, args: argparse.Namespace, tmp: Path) -> dict:
-    from polyrl.parallel.launch import free_port
+    from polyrl import free_port
 
     # bf16 on the wire first: the weight check after the last sync needs the engine to hold exact float32.
     small = min(args.bucket_mb)
@@ -281,7 +282,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "weight_sync.json")
     args = parser.parse_args()
     if "smollm2-135m-instruct" in args.models:
-        from polyrl.models.loading import smollm2_dir
+        from polyrl import smollm2_dir
 
         smollm2_dir()  # convert the GGUF once, before three processes want it
     import tempfile

@@ -22,15 +22,20 @@ from typing import Any
 
 import torch
 
-from polyrl.algorithms.advantages import grpo_advantages
-from polyrl.algorithms.losses import PolicyLossInputs, ppo_clip_loss
-from polyrl.config import parse_config
-from polyrl.engines.hf import HFEngine
-from polyrl.envs.base import Task, make_task
-from polyrl.models.device import native_bf16
-from polyrl.models.forward import forward_logits
-from polyrl.models.loading import load_model, load_tokenizer
-from polyrl.rollout.multi_turn import evaluate
+from polyrl import (
+    HFEngine,
+    PolicyLossInputs,
+    Task,
+    evaluate,
+    forward_logits,
+    grpo_advantages,
+    load_model,
+    load_tokenizer,
+    make_task,
+    native_bf16,
+    parse_config,
+    ppo_clip_loss,
+)
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
