@@ -409,6 +409,7 @@ def machine() -> dict:
 
 
 def main() -> None:
+    global RESERVE_GB  # --reserve-gb replaces it (its default is the module's value)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 12, 16],
                     help="decoder layers (16: the whole 1B); the two largest measured predict the next")
@@ -423,7 +424,6 @@ def main() -> None:
                     help="learner.activation_checkpointing (acts at world size > 1 only)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "sharded_memory.json")
     args = ap.parse_args()
-    global RESERVE_GB
     RESERVE_GB = args.reserve_gb
     if args.findings_only:
         result = json.loads(args.out.read_text())

@@ -100,6 +100,12 @@ def test_benchmarks_and_examples_import_only_public_names():
     assert not bad, "imports of polyrl that are not in polyrl.PUBLIC (docs/api.md):\n" + "\n".join(bad)
 
 
+def test_every_script_compiles():
+    # compile, not only parse: errors of the symbol table (a name used before its `global`) pass ast.parse and ruff
+    for path in scripts():
+        compile(path.read_text(), str(path), "exec")
+
+
 def test_every_public_name_is_on_the_api_page_and_nothing_else():
     documented = documented_names(API_PAGE.read_text())
     assert len(documented) == len(set(documented)), "a name listed twice on docs/api.md"
