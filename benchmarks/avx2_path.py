@@ -29,6 +29,9 @@ the caps, ``--steps`` steps (no evaluation, no time cap), median step time; runs
 this tree), now, and now with ``engine.bf16_weights=true`` alternate; with ``--bf16`` also the default bf16
 quickstart, uncapped, for the ratio to it.
 
+Part ``capped``: the main job itself (``configs/quickstart.yaml``: its 7.5-minute cap, held-out evaluation
+before and after) in float32 with the caps: the steps it reaches and its accuracy.
+
     python benchmarks/avx2_path.py --part decode                # ~15 min on 2 cores
     python benchmarks/avx2_path.py --part quickstart --before-tree /tmp/before   # ~30 min
 
@@ -52,9 +55,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from doc_block import replace_block  # noqa: E402
 
 CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 PATHS = {"float32_avx2": CAPS, "bf16": {}}
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "avx2_path.json"
 FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
 
 
@@ -93,10 +98,7 @@ def decode_worker(path: str, rows: list[int], repeats: int, threads: int | None)
     import torch
     from roofline import matmul_ceiling, measure_roofline, model_numbers, prompt_ids
 
-    from polyrl.engines import native
-    from polyrl.engines.hf import HFEngine
-    from polyrl.models.loading import load_model, load_tokenizer
-    from polyrl.train.glibc_malloc import keep_freed_memory
+    from polyrl import HFEngine, keep_freed_memory, load_model, load_tokenizer, native_kernels_available, native_ops
 
     if threads:
         torch.set_num_threads(threads)
@@ -154,7 +156,7 @@ def decode_worker(path: str, rows: list[int], repeats: int, threads: int | None)
     return {
         "path": path, "caps": PATHS[path], "threads": torch.get_num_threads(),
         "clock": "process CPU time (one thread)" if clock is time.process_time else "wall",
-        "native_isa": native.ops().isa() if native.available() else None,
+        "native_isa": native_ops().isa() if native_kernels_available() else None,
         "engines": {name: {"fused": e.fast is not None, "native": bool(e.fast and e.fast.native),
                            "dtype": str(e.fast.dtype) if e.fast else None,
                            "weight_dtype": str(e.fast.weight_dtype) if e.fast else None,
@@ -191,8 +193,7 @@ def precision_worker() -> dict:
     (float32, no autocast: ``model.bf16=false``) on 4 chain_sum prompts x 8 samples of up to 48 tokens."""
     from decode_precision import logprob_gaps, sample_prompts
 
-    from polyrl.engines.hf import HFEngine
-    from polyrl.models.loading import load_model, load_tokenizer
+    from polyrl import HFEngine, load_model, load_tokenizer
 
     tok, model = load_tokenizer("smollm2-135m-instruct"), load_model("smollm2-135m-instruct", None, seed=0)
     prompts = sample_prompts(tok)
@@ -279,9 +280,70 @@ def run_quickstart(args) -> dict:
     return result
 
 
+def run_capped_quickstart(args) -> dict:
+    """The main job as a user without native bf16 gets it: ``polyrl train configs/quickstart.yaml`` in float32
+    with the caps, its own 7.5-minute cap and held-out evaluation; steps reached and accuracy before/after."""
+    capped = {**os.environ, **CAPS, "PYTHONPATH": str(ROOT)}
+    with tempfile.TemporaryDirectory() as out:
+        load = load_now()
+        cmd = [sys.executable, "-m", "polyrl", "train", "configs/quickstart.yaml", "model.bf16=false",
+               "engine.bf16_weights=false", "logging.progress=false", "--output", out]
+        res = subprocess.run(cmd, env=capped, cwd=ROOT, capture_output=True, text=True)
+        if res.returncode:
+            raise SystemExit(f"capped quickstart failed: {res.stderr[-3000:]}")
+        summary = json.loads((Path(out) / "summary.json").read_text())
+        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step_time_s"] for r in rows if "step_time_s" in r]
+    result = {**summary, "median_step_s": statistics.median(steps), "load_start": load, "load_end": load_now()}
+    print(f"capped quickstart: {summary['steps']} steps in {summary['train_time_s'] / 60:.1f} min, held-out "
+          f"{summary['eval_before']} -> {summary['eval_after']}", flush=True)
+    return result
+
+
+DOC = ROOT / "docs" / "results" / "avx2-path.md"
+START, END = "<!-- avx2-path:start -->", "<!-- avx2-path:end -->"
+
+
+def tables(result: dict) -> str:
+    """The results as markdown: decode against the bound per path and width, the quickstart's step times, the
+    capped main job; each only where it was measured."""
+    m = result["machine"]
+    out = [f"Machine: {m['cpu']} (family {m['cpu_family']}), {m['cores']} cores, flags {', '.join(m['flags'])}."]
+    for key in (k for k in result if k.startswith("decode")):
+        rows = ["", f"Decode (`{key}`: rollout tokens/s of 64-token samples, and the share of the bound: the lower "
+                    "of compute at the path's matmul rate and memory for one read of the weights per step)", "",
+                "| path | rows | engine | tokens/s | bound | share of bound | matmuls alone |",
+                "| --- | --- | --- | --- | --- | --- | --- |"]
+        for path, res in result[key].items():
+            for width in res["widths"]:
+                for name in ("before", "now", "now_bf16_weights"):
+                    if name in width:
+                        w = width[name]
+                        alone = f"{w['matmuls_alone_fraction_of_bound']:.0%}" if w["matmuls_alone_fraction_of_bound"] \
+                            else "-"
+                        rows.append(f"| {path} | {width['rows']} | {name} | {w['tokens_per_s']:.0f} | {w['bound']} | "
+                                    f"{w['fraction_of_bound']:.0%} | {alone} |")
+        out += rows
+    for key in (k for k in result if k.startswith("quickstart")):
+        q = result[key]
+        out += ["", f"Quickstart step (`{key}`: {q['steps']} steps, no evaluation, median of "
+                    f"{len(next(iter(q['runs'].values())))} runs each; before = {q['before']})", "",
+                "| variant | median step (s) | runs |", "| --- | --- | --- |"]
+        for name, runs in q["runs"].items():
+            each = ", ".join(f"{r['median_step_s']:.2f}" for r in runs)
+            out.append(f"| {name} | {q['median_step_s'][name]:.2f} | {each} |")
+    if "capped_quickstart" in result:
+        c = result["capped_quickstart"]
+        before, after = (next(iter(c[k].values())) for k in ("eval_before", "eval_after"))
+        out += ["", f"The main job capped to AVX2 in float32: {c['steps']} steps in {c['train_time_s'] / 60:.1f} "
+                    f"minutes of training (median step {c['median_step_s']:.2f} s), held-out {before:.1%} -> "
+                    f"{after:.1%}."]
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--part", choices=["decode", "precision", "quickstart", "all"], default="all")
+    ap.add_argument("--part", choices=["decode", "precision", "quickstart", "capped", "all"], default="all")
     ap.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS))
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--repeats", type=int, default=3, help="alternating rollout runs per width")
@@ -293,8 +355,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own); with 1, "
                     "decode times are the process's CPU time, robust to other jobs on the machine")
     ap.add_argument("--worker", choices=[*PATHS, "precision"], help=argparse.SUPPRESS)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "avx2_path.json")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--table", action="store_true", help="only write docs/results/avx2-path.md from --out")
     args = ap.parse_args()
+    if args.table:
+        replace_block(DOC, START, END, tables(json.loads(args.out.read_text())), "Results")
+        return
     if args.worker:  # inside a capped process: one JSON line last
         out = precision_worker() if args.worker == "precision" else decode_worker(args.worker, args.rows,
                                                                                    args.repeats, args.threads)
@@ -308,9 +374,13 @@ def main() -> None:
         result["precision_float32_avx2"] = run_precision()
     if args.part in ("quickstart", "all"):
         result[f"quickstart_{args.threads}_threads" if args.threads else "quickstart"] = run_quickstart(args)
+    if args.part in ("capped", "all"):
+        result["capped_quickstart"] = run_capped_quickstart(args)
     result["machine"]["load_average_end"] = list(os.getloadavg())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.out == DEFAULT_OUT:
+        replace_block(DOC, START, END, tables(result), "Results")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ smollm2-135m-instruct --tinker`` process. What differs from the recipe:
   builds it (same items, same prompt text, the chat template's system message as the recipe's conversation
   prefix, so the prompt tokens are polyrl's, checked below), graded by polyrl's scorer (``last_number``);
 - settings passed as the recipe's flags: renderer ``qwen3_instruct`` (ChatML, SmolLM2's format), 2 groups of 8
-  per batch and 64 new tokens (the quickstart's), ``loss_fn=importance_sampling`` (the recipe's default
-  ``stable_reinforce`` needs server-kept stability data this server refuses), LoRA rank 32 (the recipe's),
+  per batch and 64 new tokens (the quickstart's), ``loss_fn=importance_sampling`` (``rl.train``'s own default; the
+  math_rl recipe's ``stable_reinforce`` is refused: Tinker documents neither its objective nor what its sampler
+  records, docs/tinker.md), LoRA rank 32 (the recipe's),
   checkpoints every ``--every`` steps, no in-loop evaluation, and the learning rate (``--lr``): ``lora-rule``,
   the cookbook's LoRA factor (``hyperparam_utils.get_lora_lr_over_full_finetune_lr``, 10) times the
   quickstart's full fine-tuning rate, or ``cookbook-formula``, what ``hyperparam_utils.get_lr`` gives a
@@ -66,7 +67,7 @@ def learning_rate(rule: str) -> float:
     """``lora-rule``: 10 x the quickstart's full fine-tuning rate (the cookbook's LoRA factor);
     ``cookbook-formula``: ``hyperparam_utils.get_lr`` for a LoRA run of a Llama-family model SmolLM2's width."""
     if rule == "lora-rule":
-        from polyrl.config_check import load_config
+        from polyrl import load_config
 
         return 10.0 * load_config(ROOT / "configs" / "quickstart.yaml").optim.lr
     return 5e-5 * 10.0 * (2000 / SMOLLM2_WIDTH) ** 0.781
@@ -74,9 +75,7 @@ def learning_rate(rule: str) -> float:
 
 def quickstart_task():
     """The quickstart's task as polyrl builds it, with the SmolLM2 tokenizer."""
-    from polyrl.config_check import load_config
-    from polyrl.envs.base import make_task
-    from polyrl.models.loading import load_tokenizer
+    from polyrl import load_config, load_tokenizer, make_task
 
     cfg = load_config(ROOT / "configs" / "quickstart.yaml")
     tokenizer = load_tokenizer(cfg.model.name)
@@ -181,7 +180,7 @@ def run_cookbook(args: argparse.Namespace) -> None:
         from tinker_cookbook.rl import train
     except ImportError as exc:
         raise SystemExit(f"tinker_cookbook is not importable ({exc}); see this file's docstring") from None
-    from polyrl.models.loading import resolve_model_path
+    from polyrl import resolve_model_path
 
     out = Path(args.work) / f"cookbook-{args.lr}"
     out.mkdir(parents=True, exist_ok=True)
@@ -217,10 +216,10 @@ def run_cookbook(args: argparse.Namespace) -> None:
 def run_server(args: argparse.Namespace) -> None:
     import logging
 
-    from polyrl.tinker_api.serve import serve
+    from polyrl import serve_tinker
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    serve(MODEL, args.port, 512, "auto", Path(args.work) / "server")
+    serve_tinker(MODEL, args.port, 512, "auto", Path(args.work) / "server")
 
 
 def server_times(log: Path) -> dict[str, dict[str, float]]:
@@ -256,8 +255,7 @@ def run_native(args: argparse.Namespace) -> None:
 def evaluate_policy(load, task, cfg, tokenizer, cache: Path, key: str) -> float:
     """Held-out accuracy of the model ``load()`` builds, remembered in ``cache`` under ``key``: the eval part
     can be run in pieces (each point takes a minute or more on a busy machine)."""
-    from polyrl.engines.hf import HFEngine
-    from polyrl.rollout.multi_turn import evaluate
+    from polyrl import HFEngine, evaluate
 
     done = json.loads(cache.read_text()) if cache.exists() else {}
     if key not in done:
@@ -270,8 +268,7 @@ def evaluate_policy(load, task, cfg, tokenizer, cache: Path, key: str) -> float:
 def run_eval(args: argparse.Namespace) -> None:
     import torch
 
-    from polyrl.checkpoint.store import list_checkpoints
-    from polyrl.models.loading import load_model
+    from polyrl import list_checkpoints, load_model
 
     torch.manual_seed(0)
     work = Path(args.work)
@@ -347,8 +344,7 @@ def write_table(_: argparse.Namespace | None = None) -> None:
 def cookbook_curve(out: Path, steps: int, task, cfg, tokenizer, cache: Path,
                    points: list[int] | None) -> dict[int, float]:
     """Held-out accuracy of each sampler checkpoint the cookbook's loop saved, read from the server's disk."""
-    from polyrl.tinker_api.sampler import frozen_copy
-    from polyrl.tinker_api.trainer import load_policy
+    from polyrl import tinker_sampler_policy
 
     curve = {}
     for line in (out / "log" / "checkpoints.jsonl").read_text().splitlines():
@@ -361,7 +357,7 @@ def cookbook_curve(out: Path, steps: int, task, cfg, tokenizer, cache: Path,
         if (points and step not in points) or step in curve:
             continue
         curve[step] = evaluate_policy(
-            lambda path=path: frozen_copy(load_policy(path, bf16=False)[0]), task, cfg, tokenizer, cache,
+            lambda path=path: tinker_sampler_policy(path), task, cfg, tokenizer, cache,
             str(path.relative_to(out.parent)))
     return curve
 

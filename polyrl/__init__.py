@@ -136,6 +136,9 @@ PUBLIC: dict[str, str] = {
     "WeightReceiver": "polyrl.parallel.weight_sync",
     "canonical_name": "polyrl.parallel.weight_sync",
     "iter_full_state": "polyrl.parallel.weight_sync",
+    # the Tinker API server
+    "serve_tinker": "polyrl.tinker_api.serve:serve",
+    "tinker_sampler_policy": "polyrl.tinker_api.serve",
 }
 
 __all__ = sorted(PUBLIC)

@@ -15,9 +15,6 @@ import polyrl
 
 ROOT = Path(__file__).resolve().parent.parent
 API_PAGE = ROOT / "docs" / "api.md"
-PENDING = {"benchmarks/avx2_path.py", "benchmarks/cookbook_rl.py"}
-"""Scripts that still import polyrl's modules directly (issue #43); each must still do so, so that a script
-moved to the public names leaves this set."""
 
 
 def scripts() -> list[Path]:
@@ -94,9 +91,7 @@ def test_benchmarks_and_examples_import_only_public_names():
     for path in scripts():
         found[path.relative_to(ROOT).as_posix()] = private_imports(path, set(polyrl.PUBLIC))
     assert len(found) > 30 and "examples/grpo_in_one_file.py" in found  # the glob found the scripts
-    stale = sorted(p for p in PENDING if not found.get(p))
-    assert not stale, f"no longer importing polyrl's modules, take them out of PENDING: {stale}"
-    bad = [line for path, lines in found.items() if path not in PENDING for line in lines]
+    bad = [line for lines in found.values() for line in lines]
     assert not bad, "imports of polyrl that are not in polyrl.PUBLIC (docs/api.md):\n" + "\n".join(bad)
 
 

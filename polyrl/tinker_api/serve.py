@@ -6,13 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from transformers import AutoConfig
+from transformers import AutoConfig, PreTrainedModel
 
 from polyrl.endpoint.serve import resolve_source
 from polyrl.models.device import resolve_bf16
 from polyrl.models.loading import TINY_ALIAS, cache_dir, load_tokenizer, resolve_model_path, smollm2_tokenizer_dir
+from polyrl.tinker_api.sampler import frozen_copy
 from polyrl.tinker_api.server import TinkerServer
 from polyrl.tinker_api.service import ServedModel, Service
+from polyrl.tinker_api.trainer import load_policy
 
 TINY_CONTEXT = 2048  # models/loading.tiny_random_model's max_position_embeddings
 
@@ -51,3 +53,9 @@ def serve(source: str, port: int, max_tokens: int, bf16: bool | str, checkpoint_
          f"{server.service.root}); point the client at it with ServiceClient(base_url='{server.base_url}', "
          "api_key='tml-local')  (Ctrl-C stops)")
     server.serve_forever()
+
+
+def tinker_sampler_policy(path: Path) -> PreTrainedModel:
+    """The policy a sampler checkpoint (``save_weights_for_sampler``) holds, as the server samples from it: float32,
+    LoRA adapters merged."""
+    return frozen_copy(load_policy(Path(path), bf16=False)[0])
