@@ -308,7 +308,8 @@ def tables(result: dict) -> str:
     """The results as markdown: decode against the bound per path and width, the quickstart's step times, the
     capped main job; each only where it was measured."""
     m = result["machine"]
-    out = [f"Machine: {m['cpu']} (family {m['cpu_family']}), {m['cores']} cores, flags {', '.join(m['flags'])}."]
+    out = [f"Machine: {m['cpu']} (family {m['cpu_family']}), {m['cores']} cores, flags {', '.join(m['flags'])}."
+           + (f" {result['notes']}." if "notes" in result else "")]
     for key in (k for k in result if k.startswith("decode")):
         rows = ["", f"Decode (`{key}`: rollout tokens/s of 64-token samples, and the share of the bound: the lower "
                     "of compute at the path's matmul rate and memory for one read of the weights per step)", "",
