@@ -76,8 +76,11 @@ def worker_polyrl(args) -> dict:
 
     from polyrl import build_run, load_config, rl_step
 
-    torch.manual_seed(0)
-    overrides = ["eval.before=false", "eval.after=false", "logging.progress=false"]
+    torch.manual_seed(args.seed)
+    overrides = ["eval.before=false", "eval.after=false", "logging.progress=false", f"train.seed={args.seed}"]
+    if args.like_for_like:  # TRL GRPOConfig's algorithm: one sampling round, no guidance, clip 0.2 both ways, its Adam
+        overrides += ["algorithm.sampling.dynamic=false", "guidance.reference=false", "algorithm.loss.clip_high=0.2",
+                      "optim.betas=[0.9,0.999]"]
     if args.polyrl_lr is not None:
         overrides.append(f"optim.lr={args.polyrl_lr}")
     if args.lora:
@@ -110,7 +113,7 @@ def worker_trl(args) -> dict:
 
     from polyrl import smollm2_dir
 
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     task = _task()
     rows = []
     for i in range(4000):  # the same item stream polyrl reads (its training items 0, 1, 2, ...)
@@ -153,12 +156,14 @@ def worker_trl(args) -> dict:
         num_generations=8,
         max_completion_length=64,
         temperature=1.0,
-        max_steps=100_000,
+        # Without --trl-decay-steps TRL's linear schedule spans 100,000 steps: in effect a constant rate.
+        max_steps=args.trl_decay_steps or 100_000,
+        bf16=not args.trl_fp32,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        seed=0,
+        seed=args.seed,
         disable_tqdm=True,
     )
     trainer = GRPOTrainer(
@@ -219,6 +224,14 @@ def main() -> None:
     p.add_argument("--only", choices=["both", "polyrl", "trl"], default="both")
     p.add_argument("--no-dynamic-sampling", action="store_true",
                    help="polyrl without DAPO's extra sampling rounds: the same work per step as TRL's")
+    p.add_argument("--seed", type=int, default=0, help="both sides' seed (polyrl's train.seed, TRL's seed)")
+    p.add_argument("--trl-decay-steps", type=int, default=None,
+                   help="TRL's linear schedule reaches 0 at this step (as polyrl's does at train.steps); set it to "
+                        "the steps TRL takes in --minutes")
+    p.add_argument("--trl-fp32", action="store_true", help="TRL in float32 (its default is bf16 autocast)")
+    p.add_argument("--like-for-like", action="store_true",
+                   help="polyrl with TRL's algorithm: no dynamic sampling or guidance, clip 0.2, Adam betas "
+                        "(0.9, 0.999); give both the same learning rate")
     p.add_argument("--tag", default="", help="write vs_trl_TAG.json and no plot (side runs beside the main one)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "vs_trl_runs"))
     p.add_argument("--worker", choices=["polyrl", "trl"], help=argparse.SUPPRESS)

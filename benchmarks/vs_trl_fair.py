@@ -1,0 +1,121 @@
+"""The TRL comparison made fair: TRL given the best of a learning-rate sweep, both sides over seeds, in two tables:
+like for like (TRL's algorithm settings on both sides, the same learning rate) and each at its best.
+
+Every arm is one ``benchmarks/vs_trl.py`` run (its own process per framework, the same task, prompts, reward,
+evaluator and training-time budget), written under its own tag; this script chooses the arms and reads them back.
+
+    python benchmarks/vs_trl_fair.py sweep --lrs 5e-6 1e-5 3e-5 5e-5   # TRL at each rate, seed 0 (~10 min each)
+    python benchmarks/vs_trl_fair.py seeds --seeds 0 1 2                # the best TRL rate, polyrl's recipe, and
+                                                                        # polyrl like for like, per seed
+    python benchmarks/vs_trl_fair.py table                              # docs/results/vs-trl-fair.md
+
+TRL's linear schedule is set to reach 0 at the step it gets to in the budget (``--trl-decay-steps``, by default
+the budget over TRL's median step in benchmarks/results/vs_trl.json), as polyrl's reaches 0 at ``train.steps``.
+Both sides run bf16 where the CPU computes it natively (TRL's default; polyrl's ``auto``); ``--fp32`` runs TRL in
+float32 for a CPU without it. Results: benchmarks/results/vs_trl_fair.json. Run on an idle machine: the budget is
+wall-clock training time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_block import replace_block  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+SUMMARY = RESULTS / "vs_trl_fair.json"
+DOC = ROOT / "docs" / "results" / "vs-trl-fair.md"
+
+
+def run_arm(tag: str, kind: str, args: argparse.Namespace, extra: list[str]) -> dict:
+    """One vs_trl.py run of one framework under ``tag``; its summary."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--only", kind, "--tag", tag, "--points", "1",
+           "--minutes", str(args.minutes), "--eval-n", str(args.eval_n),
+           "--out", str(RESULTS / "vs_trl_runs" / tag), *extra]
+    subprocess.run(cmd, check=True)
+    written = RESULTS / f"vs_trl_{tag}.json"  # kept whole in the summary instead of one file per arm
+    result = json.loads(written.read_text())
+    written.unlink()
+    return {**result["frameworks"][kind], "accuracy_before": result["accuracy_before"], "flags": extra}
+
+
+def trl_decay_steps(args: argparse.Namespace) -> int:
+    if args.trl_decay_steps:
+        return args.trl_decay_steps
+    step = json.loads((RESULTS / "vs_trl.json").read_text())["frameworks"]["trl"]["median_step_s"]
+    return max(1, int(args.minutes * 60 / step))
+
+
+def trl_flags(args: argparse.Namespace, lr: float, seed: int) -> list[str]:
+    return ["--trl-lr", str(lr), "--seed", str(seed), "--trl-decay-steps", str(trl_decay_steps(args)),
+            *(["--trl-fp32"] if args.fp32 else [])]
+
+
+def best_trl_lr(summary: dict) -> float:
+    sweep = summary.get("sweep", {})
+    if not sweep:
+        raise SystemExit("no sweep yet: run `python benchmarks/vs_trl_fair.py sweep` first")
+    return float(max(sweep, key=lambda lr: sweep[lr]["final_accuracy"]))
+
+
+def table(summary: dict) -> str:
+    lines = [f"TRL's learning-rate sweep (seed 0, {summary.get('minutes', '?')} minutes of training each):", "",
+             "| lr | steps | median step | held-out accuracy |", "| --- | --- | --- | --- |"]
+    for lr, r in sorted(summary.get("sweep", {}).items(), key=lambda kv: float(kv[0])):
+        lines.append(f"| {lr} | {r['steps']} | {r['median_step_s']:.2f} s | {100 * r['final_accuracy']:.1f} % |")
+    for title, arms in (("Like for like (TRL's algorithm settings on both sides, TRL's best rate)",
+                         ("trl_best", "polyrl_like_for_like")),
+                        ("Each at its best", ("trl_best", "polyrl_recipe"))):
+        lines += ["", title + ":", "", "| | seeds | median step | held-out accuracy per seed | median |",
+                  "| --- | --- | --- | --- | --- |"]
+        for arm in arms:
+            runs = summary.get(arm, {})
+            if not runs:
+                continue
+            accs = [100 * runs[s]["final_accuracy"] for s in sorted(runs)]
+            step = statistics.median(runs[s]["median_step_s"] for s in runs)
+            lines.append(f"| {arm} | {len(runs)} | {step:.2f} s | {' / '.join(f'{a:.1f} %' for a in accs)} | "
+                         f"{statistics.median(accs):.1f} % |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("part", choices=["sweep", "seeds", "table"])
+    p.add_argument("--lrs", type=float, nargs="+", default=[5e-6, 1e-5, 3e-5, 5e-5])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--minutes", type=float, default=7.5)
+    p.add_argument("--eval-n", type=int, default=200)
+    p.add_argument("--trl-decay-steps", type=int, default=None)
+    p.add_argument("--fp32", action="store_true", help="TRL in float32 (a CPU without native bf16)")
+    args = p.parse_args()
+    summary = json.loads(SUMMARY.read_text()) if SUMMARY.exists() else {}
+    summary["minutes"] = args.minutes
+    if args.part == "sweep":
+        for lr in args.lrs:
+            run = run_arm(f"fair-trl-lr{lr}-s0", "trl", args, trl_flags(args, lr, 0))
+            summary.setdefault("sweep", {})[str(lr)] = run
+            SUMMARY.write_text(json.dumps(summary, indent=2))
+    elif args.part == "seeds":
+        lr = best_trl_lr(summary)
+        for seed in args.seeds:
+            like = ["--seed", str(seed), "--like-for-like", "--polyrl-lr", str(lr)]
+            arms = {"trl_best": ("trl", trl_flags(args, lr, seed)),
+                    "polyrl_recipe": ("polyrl", ["--seed", str(seed)]),
+                    "polyrl_like_for_like": ("polyrl", like)}
+            for arm, (kind, flags) in arms.items():
+                summary.setdefault(arm, {})[str(seed)] = run_arm(f"fair-{arm}-s{seed}", kind, args, flags)
+                SUMMARY.write_text(json.dumps(summary, indent=2))
+    replace_block(DOC, "<!-- vs-trl-fair:start -->", "<!-- vs-trl-fair:end -->", table(summary), "Results")
+    print(table(summary))
+
+
+if __name__ == "__main__":
+    main()
