@@ -34,6 +34,10 @@ inline VF vload(const bf16* p) {  // widened: a bf16 is the high half of the flo
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
 }
+inline VF vload(const int8_t* p) {  // widened: sign-extended to int32, converted exactly
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw))};
+}
 inline void vstore(float* p, VF a) { _mm512_storeu_ps(p, a.v); }
 inline VF operator+(VF a, VF b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline VF operator-(VF a, VF b) { return {_mm512_sub_ps(a.v, b.v)}; }
@@ -57,6 +61,10 @@ inline VF vload(const float* p) { return {_mm256_loadu_ps(p)}; }
 inline VF vload(const bf16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
+}
+inline VF vload(const int8_t* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw))};
 }
 inline void vstore(float* p, VF a) { _mm256_storeu_ps(p, a.v); }
 inline VF operator+(VF a, VF b) { return {_mm256_add_ps(a.v, b.v)}; }
@@ -91,6 +99,7 @@ inline VF vzero() { VF r; POLYRL_LANES r.v[l] = 0.f; return r; }
 inline VF vset(float x) { VF r; POLYRL_LANES r.v[l] = x; return r; }
 inline VF vload(const float* p) { VF r; std::memcpy(r.v, p, sizeof r.v); return r; }
 inline VF vload(const bf16* p) { VF r; POLYRL_LANES r.v[l] = static_cast<float>(p[l]); return r; }
+inline VF vload(const int8_t* p) { VF r; POLYRL_LANES r.v[l] = static_cast<float>(p[l]); return r; }
 inline void vstore(float* p, VF a) { std::memcpy(p, a.v, sizeof a.v); }
 inline VF operator+(VF a, VF b) { POLYRL_LANES a.v[l] += b.v[l]; return a; }
 inline VF operator-(VF a, VF b) { POLYRL_LANES a.v[l] -= b.v[l]; return a; }
