@@ -41,7 +41,7 @@ def make_engine(config: Config, policy: PreTrainedModel, tokenizer: PreTrainedTo
     else:
         engine = HFEngine(
             policy, tokenizer, bf16=model_bf16(config), bf16_weights=engine_bf16(config), fast_decode=cfg.fast_decode,
-            native_kernels=cfg.native_kernels,
+            native_kernels=cfg.native_kernels, int8_weights=cfg.int8_weights,
         )
     if cfg.recompute_logprobs:
         engine = RecomputeLogprobs(engine, policy, bf16=model_bf16(config))

@@ -154,6 +154,8 @@ class HFEngine:
     Without either bf16 setting the same decoder runs in float32 when the native kernels are there, reading the
     float32 policy's own weights (no copy; ``sync()`` merges LoRA deltas again). With ``bf16_weights`` on a CPU
     without native bf16 matmuls it runs in float32 too, on its bf16 copy widened to float32 in registers.
+    With ``int8_weights`` it runs in float32 on per-row int8 copies of the matrices (``engines/int8.py``),
+    re-quantised by ``sync()``; a policy the fused float32 path cannot run is refused (ValueError).
 
     The engine runs on the policy's device. On a GPU it takes the transformers path (the fused path and the
     native kernels are CPU code), samples on the GPU from a generator there, and copies one step's results to
@@ -169,6 +171,7 @@ class HFEngine:
         preallocate_cache: bool = True,
         fast_decode: bool = True,
         native_kernels: bool = True,
+        int8_weights: bool = False,
     ) -> None:
         self.policy = policy
         # False keeps transformers' growing DynamicCache: the reference the preallocated one is tested against.
@@ -192,13 +195,21 @@ class HFEngine:
         # bf16_weights where the CPU has no native bf16 matmuls, on a bf16 copy widened to float32 in registers.
         float32_decoder = fused and self.native_sampling and llama_decode.float32_weights(policy)
         weights = None
-        if float32_decoder and bf16_weights and not llama_decode.computes_bf16():
+        if int8_weights:  # quantised copies of the matrices, whatever the policy's dtype (LoRA merged first)
+            if not (fused and self.native_sampling):
+                raise ValueError("engine.int8_weights: needs the fused decode path on the native kernels: a "
+                                 "Llama-family policy (llama, mistral, qwen2) on the CPU, engine.fast_decode, "
+                                 "engine.native_kernels and a C++ compiler")
+            weights = torch.int8
+        elif float32_decoder and bf16_weights and not llama_decode.computes_bf16():
             weights = torch.bfloat16
         elif float32_decoder and not bf16_weights and not bf16:
             weights = torch.float32
         if weights is not None or (fused and bf16_weights):
             head = policy.get_output_embeddings().weight.detach()
-            self.head_weight = head if weights == torch.float32 else head.clone()  # a copy: refreshed by sync
+            # A copy, refreshed by sync; float32 for int8 (its largest logits are rescored in float32).
+            self.head_weight = head if weights == torch.float32 else head.to(
+                torch.float32 if weights == torch.int8 else head.dtype, copy=True)
             self.fast = llama_decode.LlamaDecoder(
                 policy, self.head_weight, torch.bfloat16 if weights is None else torch.float32,
                 native_kernels=native_kernels, weight_dtype=weights,
@@ -211,6 +222,9 @@ class HFEngine:
         else:
             self.model = policy
             self.bf16 = bf16
+
+    def _head_dtype(self, head: torch.Tensor) -> torch.dtype:
+        return torch.float32 if self.fast is not None and self.fast.weight_dtype == torch.int8 else head.dtype
 
     def release_memory(self, until_used: bool = False) -> None:
         """Free the fused decode path's copy of the weights until ``sync``, which rebuilds it layer by layer
@@ -231,7 +245,7 @@ class HFEngine:
             if self.fast.shares_weights:  # the policy's own head, read in place
                 self.head_weight = self.fast.head_weight = head.detach()
             elif self.head_weight is None:  # released for the update
-                self.head_weight = self.fast.head_weight = head.detach().clone()
+                self.head_weight = self.fast.head_weight = head.detach().to(self._head_dtype(head), copy=True)
             else:
                 self.head_weight.copy_(head)
             self.fast.refresh(self.policy)

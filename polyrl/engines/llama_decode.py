@@ -18,7 +18,8 @@ policy) every small operation between the matmuls is a float32 kernel and the na
 matmuls. With float32 weights it reads the policy's own [out, in] matrices (q, k, v and gate, up as lists, so
 nothing is concatenated): no copy. With ``weight_dtype`` bf16 it reads a bf16 copy, widened to float32 in
 registers: half the bytes per decode step, which bound the steps with few rows, at the bf16 path's rounding of
-the weights (the head's largest logits recomputed in float32, as there).
+the weights (the head's largest logits recomputed in float32, as there). With ``weight_dtype`` int8 it reads
+per-row quantised int8 copies (``engines/int8.py``; the head as with bf16): a quarter of the bytes.
 
 It computes what the transformers model computes (same op order, same dtypes: bf16 residual stream, float32
 RMS statistics, float32 output head); tests/test_llama_decode.py checks logits against it and tokens against the
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 
 from polyrl.engines import native
 from polyrl.engines.decode_kv import KVBuffers, PromptSharedKV
+from polyrl.engines.int8 import Int8Weights, quantise_int8, tensors_of
 from polyrl.models.device import native_bf16
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
@@ -132,9 +134,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-Weights = torch.Tensor | list[torch.Tensor]
+Weights = torch.Tensor | list[torch.Tensor] | Int8Weights
 """A matmul's weight: one (fused, maybe prepacked) tensor, or for the native float32 ``linear`` the list of
-[out, in] matrices whose outputs it concatenates."""
+[out, in] matrices whose outputs it concatenates, or int8 rows with their scales."""
 
 
 @dataclass
@@ -149,8 +151,10 @@ class _Layer:
 
 
 def native_linear(x: torch.Tensor, weights: Weights, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` of float32 ``x`` [B, in] on float32 or bf16 [out, in] weights (a list: outputs
+    """``F.linear`` of float32 ``x`` [B, in] on float32, bf16 or int8 [out, in] weights (a list: outputs
     concatenated) with the native kernel, which reads each weight once per call."""
+    if isinstance(weights, Int8Weights):
+        return native.ops().linear(x, [weights.q], bias, weights.scale)
     return native.ops().linear(x, weights if isinstance(weights, list) else [weights], bias)
 
 
@@ -195,6 +199,9 @@ class LlamaDecoder:
         native_f32 = self.native and dtype == torch.float32
         # The matrices' dtype: ``dtype``, or bf16 widened to float32 by the native float32 ``linear``.
         self.weight_dtype = weight_dtype if weight_dtype is not None and native_f32 else dtype
+        if weight_dtype == torch.int8 and self.weight_dtype != torch.int8:
+            raise ValueError("int8 weights need the float32 decoder on the native kernels (engine.native_kernels "
+                             "and a C++ compiler)")
         # Below float32 the head runs in ``weight_dtype`` too and the ``exact_top`` largest logits of each row are
         # recomputed in float32 (0: the whole head in float32; see ``_head``).
         self.exact_top = exact_top if self.weight_dtype != torch.float32 else 0
@@ -218,11 +225,15 @@ class LlamaDecoder:
         self.head_low = self._matmul_weight(head_weight) if self.exact_top else None
 
     def _copy(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight`` in ``weight_dtype``: the policy's own tensor when weights are shared, else our own copy."""
-        return weight.detach() if self.shares_weights else weight.detach().to(self.weight_dtype).clone()
+        """``weight`` in ``weight_dtype`` (float32 for int8: lookups read few rows): the policy's own tensor when
+        weights are shared, else our own copy."""
+        dtype = torch.float32 if self.weight_dtype == torch.int8 else self.weight_dtype
+        return weight.detach() if self.shares_weights else weight.detach().to(dtype).clone()
 
-    def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """Our own copy of ``weight`` in ``weight_dtype``, prepacked when packing is on."""
+    def _matmul_weight(self, weight: torch.Tensor) -> torch.Tensor | Int8Weights:
+        """Our own copy of ``weight`` in ``weight_dtype`` (int8: quantised per row), prepacked when packing is on."""
+        if self.weight_dtype == torch.int8:
+            return quantise_int8(weight)
         weight = weight.to(self.weight_dtype, copy=True)
         return pack(weight) if self.packed else weight
 
@@ -268,9 +279,8 @@ class LlamaDecoder:
     def nbytes(self) -> int:
         """Bytes of the weights this decoder holds beyond the caller's float32 head (shared weights, the
         policy's own tensors, are not counted)."""
-        tensors = [t for layer in self.layers if layer is not None for t in vars(layer).values() if t is not None]
-        tensors = [w for t in tensors for w in (t if isinstance(t, list) else [t])]
-        tensors += [t for t in (self.final_norm, self.head_low, self.embed) if t is not None]
+        held = [t for layer in self.layers if layer is not None for t in vars(layer).values()]
+        tensors = [w for t in (*held, self.final_norm, self.head_low, self.embed) for w in tensors_of(t)]
         if self.shares_weights:
             tensors = [t for t in tensors if t.untyped_storage().data_ptr() not in self.policy_storages]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -296,7 +306,7 @@ class LlamaDecoder:
                 return native_linear(hidden, self.head_weight)
             return F.linear(hidden.float(), self.head_weight)
         low = self.linear(hidden, self.head_low)
-        if self.dtype == torch.float32:  # bf16 weights widened: float32 logits to rescore
+        if self.dtype == torch.float32:  # bf16 or int8 weights widened: float32 logits to rescore
             return rescore_top(low, hidden, self.head_weight, self.exact_top)
         rescore = native.ops().rescore_head if self.native else rescore_top  # the same; native in two passes a row
         return rescore(low, hidden, self.head_weight, self.exact_top)
