@@ -8,6 +8,7 @@ configures. Every error is still one line that names the file and key.
 from __future__ import annotations
 
 import importlib
+import json
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -62,6 +63,25 @@ def check_engine_hooks(config: Config) -> None:
                              "cannot)")
 
 
+def check_int8_model(config: Config) -> None:
+    """``engine.int8_weights`` needs a model the fused decode path runs (its aliases are Llamas); a model
+    directory's ``config.json`` names its type. A directory that is missing is left to the model loader."""
+    if not config.engine.int8_weights:
+        return
+    from polyrl.engines.llama_decode import SUPPORTED_TYPES
+
+    path = Path(config.model.name).expanduser() / "config.json"
+    if not path.is_file():
+        return
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return
+    if model_type not in SUPPORTED_TYPES:
+        raise ValueError(f"engine.int8_weights: model.name '{config.model.name}' is a '{model_type}' model; int8 "
+                         f"sampling runs on the fused decode path, which covers {', '.join(SUPPORTED_TYPES)}")
+
+
 def check_machine(config: Config) -> None:
     """What a run needs of this machine, checked by ``polyrl train`` before any model loads (not by
     ``load_config``: a config may be loaded to plan a run elsewhere). vLLM for ``engine.kind: vllm``, room on a
@@ -106,6 +126,7 @@ def check_names(config: Config) -> None:
         check_task(task, key=f"tasks.{i}")
     check_agent_sdk(config)
     check_engine_hooks(config)
+    check_int8_model(config)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None, data: dict | None = None) -> Config:

@@ -214,6 +214,8 @@ class Config(_Strict):
         if self.guidance.hint_fraction > 0 and engines_of(self) == "disaggregated":  # they get task names only
             raise ValueError("guidance.hint_fraction: hinted prompts are rolled out where the step is drawn; "
                              "disaggregated Ray workers rebuild each task by name; use colocated engines")
+        if self.engine.int8_weights:
+            check_int8_engine(self)
         if algo.sampling.dynamic and rollout.group_size < 2:
             raise ValueError(
                 "algorithm.sampling.dynamic: needs rollout.group_size >= 2 (a group of one never varies)"
@@ -251,6 +253,19 @@ class Config(_Strict):
                 raise ValueError(f"algorithm.advantage.reward_gate.outcome: task '{task.name}' has no reward "
                                  f"'{gate.outcome}'; its rewards: {', '.join(names + shaping)}")
         return self
+
+
+def check_int8_engine(config: Config) -> None:
+    """``engine.int8_weights`` runs on the HF engine's fused decode path with the native kernels, on the CPU."""
+    engine = config.engine
+    needs = (("engine.kind", engine.kind == "hf", "hf"), ("engine.fast_decode", engine.fast_decode, "true"),
+             ("engine.native_kernels", engine.native_kernels, "true"),
+             ("engine.bf16_weights", engine.bf16_weights is not True, "auto or false"),
+             ("train.device", config.train.device != "cuda", "cpu or auto on a machine without a GPU"))
+    for key, ok, wanted in needs:
+        if not ok:
+            raise ValueError(f"engine.int8_weights: samples through the fused decode path's native int8 kernels "
+                             f"on the CPU; it needs {key}: {wanted}")
 
 
 def engines_of(config: Config) -> str:

@@ -64,6 +64,11 @@ class EngineConfig(_Strict):
     bf16_weights: bool | Literal["auto"] = "auto"
     """Sample from a bfloat16 copy of the policy, refreshed after every update (faster decoding on a CPU with
     native bf16). auto: as ``model.bf16``'s auto, where the device computes bf16 natively."""
+    int8_weights: bool = False
+    """Sample from int8 copies of the decoder's matrices and output head (per-output-row scales), re-quantised
+    at every sync: a decode step reads a quarter of float32's bytes. The learner keeps its precision; the
+    engine's log-probs move away from it, so pair with ``algorithm.off_policy: tis`` (docs/performance.md).
+    Needs engine.kind hf, fast_decode and native_kernels on a Llama-family model on the CPU."""
     fast_decode: bool = True
     """With ``bf16_weights`` on a Llama-family model (Llama, Mistral, Qwen2): decode with polyrl's fused
     layer loop and prepacked weights instead of the transformers model, about 2x the tokens/s on a CPU
