@@ -107,9 +107,10 @@ def _dry_run(cfg: Config, config_path: Path) -> None:
     typer.echo(f"# {config_path}: valid. Resolved config:")
     typer.echo(dump_config(cfg))
     kind = {True: "bf16", False: "float32"}
+    sampling = ("int8 weights (engine.int8_weights: true)" if cfg.engine.int8_weights else
+                f"{kind[engine_bf16(cfg)]} (engine.bf16_weights: {str(cfg.engine.bf16_weights).lower()})")
     typer.echo(f"# Precision on this machine: training {kind[model_bf16(cfg)]} (model.bf16: "
-               f"{str(cfg.model.bf16).lower()}), sampling {kind[engine_bf16(cfg)]} (engine.bf16_weights: "
-               f"{str(cfg.engine.bf16_weights).lower()})")
+               f"{str(cfg.model.bf16).lower()}), sampling {sampling}")
     typer.echo("# Estimated time per step on this machine (measured now, on the configured model):")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     try:
