@@ -7,7 +7,7 @@ kernels) and int8. It reports rollout tokens/s at 16, 64 and 256 rows (groups of
 row), and each engine's behaviour log-prob gap to the float32 learner on the precision benchmark's prompts
 (benchmarks/decode_precision.py).
 
-    python benchmarks/int8_rollouts.py                 # ~3 min on an idle machine
+    python benchmarks/int8_rollouts.py                 # SmolLM2-135M; minutes, longest at 256 rows
     python benchmarks/int8_rollouts.py --quick         # the tiny random model, 16 rows, a few seconds; no file
 
 Part 2 (``--learning``) trains the quickstart for a fixed number of steps (no time budget, so runs on a busy
