@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -148,7 +146,7 @@ def test_softcapped_logits_are_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_make_model_then_train_through_the_cli(tmp_path):
+def test_make_model_then_train_through_the_cli(tmp_path, polyrl_cli):
     out_dir = tmp_path / "qwen3"
     res = CliRunner().invoke(app, ["make-model", "qwen3", str(out_dir), "--seed", "2"])
     assert res.exit_code == 0, res.output
@@ -156,11 +154,8 @@ def test_make_model_then_train_through_the_cli(tmp_path):
     assert CliRunner().invoke(app, ["make-model", "gemma9", str(tmp_path / "x")]).exit_code == 2
 
     run = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "polyrl", "train", str(SMOKE), "--output", str(run), f"model.name={out_dir}",
-         "train.steps=1", "tasks.0.eval_size=2"],
-        capture_output=True, text=True,
-    )
+    proc = polyrl_cli.run(["train", str(SMOKE), "--output", str(run), f"model.name={out_dir}", "train.steps=1",
+                           "tasks.0.eval_size=2", "logging.report=false"])  # the command line, forked (conftest)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1] and math.isfinite(lines[0]["loss"])

@@ -18,7 +18,8 @@ EXAMPLE = ROOT / "examples" / "your_data"
 DOC = ROOT / "docs" / "your-data.md"
 
 TRAIN_TINY = ["model.name=tiny-random", "model.bf16=false", "train.steps=2", "rollout.max_new_tokens=8",
-              "tasks.0.eval_size=4", "algorithm.sampling.dynamic=false", "eval.batch_size=4"]
+              "tasks.0.eval_size=4", "algorithm.sampling.dynamic=false", "eval.batch_size=4",
+              "logging.report=false"]
 COMMANDS = [  # as the page shows them, then the overrides that put them on the tiny model
     ("python make_data.py", []),
     ("polyrl data config.yaml", ["model.name=tiny-random"]),
@@ -36,10 +37,13 @@ def doc_commands() -> list[str]:
     return [line for line in lines if line.startswith(("polyrl ", "python make_data.py"))]
 
 
-def run(command: str, overrides: list[str], cwd: Path) -> subprocess.CompletedProcess:
+def run(command: str, overrides: list[str], cwd: Path, polyrl_cli) -> subprocess.CompletedProcess:
+    """``python ...`` in a fresh interpreter; ``polyrl ...`` forked from the tests' server (conftest)."""
     argv = shlex.split(command)
-    exe = [sys.executable] if argv[0] == "python" else [sys.executable, "-m", "polyrl"]
-    return subprocess.run([*exe, *argv[1:], *overrides], cwd=cwd, capture_output=True, text=True, timeout=300)
+    if argv[0] == "polyrl":
+        return polyrl_cli.run([*argv[1:], *overrides], cwd=cwd, timeout=300)
+    return subprocess.run([sys.executable, *argv[1:], *overrides], cwd=cwd, capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_the_page_shows_the_commands_the_reward_and_the_config_that_run_here():
@@ -52,12 +56,12 @@ def test_the_page_shows_the_commands_the_reward_and_the_config_that_run_here():
 
 
 @pytest.mark.slow
-def test_the_example_runs_as_the_page_shows(tmp_path):
+def test_the_example_runs_as_the_page_shows(tmp_path, polyrl_cli):
     work = tmp_path / "your_data"
     shutil.copytree(EXAMPLE, work, ignore=shutil.ignore_patterns("qa.jsonl", "runs", "__pycache__"))
     results = {}
     for command, overrides in COMMANDS:
-        res = run(command, overrides, work)
+        res = run(command, overrides, work, polyrl_cli)
         assert res.returncode == 0, f"{command}: {res.stderr[-2000:]}"
         results[command] = res
     assert "wrote 2000 rows to qa.jsonl" in results["python make_data.py"].stdout

@@ -11,8 +11,6 @@ import asyncio
 import os
 import queue
 import socket
-import subprocess
-import sys
 import time
 from types import SimpleNamespace
 
@@ -145,12 +143,11 @@ def test_ranks_and_workers_a_machine_has_no_memory_for_are_refused_before_the_mo
 
 
 @pytest.mark.slow
-def test_polyrl_train_refuses_what_this_machine_cannot_place_in_one_line_and_seconds(tmp_path):
-    """About 7 s on two cores: the command's imports and the config; nothing is loaded or started."""
+def test_polyrl_train_refuses_what_this_machine_cannot_place_in_one_line_and_seconds(tmp_path, polyrl_cli):
+    """The command line (forked, conftest): the config is read, and nothing is loaded or started."""
     t0 = time.perf_counter()
-    run = subprocess.run([sys.executable, "-m", "polyrl", "train", str(SMOKE), "-o", str(tmp_path / "run"),
-                          *RAY_RANKS[:-1], f"learner.world_size={(os.cpu_count() or 1) + 1}"],
-                         capture_output=True, text=True, timeout=120)
+    run = polyrl_cli.run(["train", str(SMOKE), "-o", str(tmp_path / "run"), *RAY_RANKS[:-1],
+                          f"learner.world_size={(os.cpu_count() or 1) + 1}"], timeout=120)
     seconds = time.perf_counter() - t0
     assert run.returncode == 2
     (line,) = [line for line in run.stderr.splitlines() if line.strip()]
@@ -213,7 +210,6 @@ def _hang_in_a_collective(timeout_s: float) -> None:
         leave_group()
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_a_rank_that_hangs_in_a_collective_ends_the_run_after_learner_timeout_s():
     """About 8 s on two cores, most of it spawning the two ranks."""

@@ -153,19 +153,15 @@ def test_report_failure_is_a_warning_not_an_exception(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_writes_report_at_the_end(tmp_path):
+def test_train_writes_report_at_the_end(tmp_path, polyrl_cli):
     out = tmp_path / "run"
-    subprocess.run(
-        [sys.executable, "-m", "polyrl", "train", str(SMOKE), "--output", str(out)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    res = polyrl_cli.run(["train", str(SMOKE), "--output", str(out)])  # the command line, forked (conftest)
+    assert res.returncode == 0, res.stderr[-2000:]
     page = (out / "report.html").read_text()
     assert "Reward per task" in _figures(page) and "Entropy" in _figures(page)
     assert "id=eval-table" in page and "chain_sum" in page and "name: smoke" in page
     mtime = (out / "report.html").stat().st_mtime_ns
-    res = subprocess.run([sys.executable, "-m", "polyrl", "report", str(out)], capture_output=True, text=True)
+    res = polyrl_cli.run(["report", str(out)])
     assert res.returncode == 0 and res.stdout.strip() == str(out / "report.html")
     assert (out / "report.html").stat().st_mtime_ns >= mtime
 

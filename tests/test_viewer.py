@@ -35,26 +35,12 @@ PER_GROUP = 2
 
 
 @pytest.fixture(scope="module")
-def smoke_run(tmp_path_factory):
+def smoke_run(tmp_path_factory, polyrl_cli):
     out = tmp_path_factory.mktemp("viewer") / "run"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "polyrl",
-            "train",
-            str(SMOKE),
-            "--output",
-            str(out),
-            f"logging.trajectories_per_group={PER_GROUP}",
-            "logging.tensorboard=false",
-            "logging.report=false",
-            "train.checkpoint_every=0",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    res = polyrl_cli.run(["train", str(SMOKE), "--output", str(out), f"logging.trajectories_per_group={PER_GROUP}",
+                          "logging.tensorboard=false", "logging.report=false", "train.checkpoint_every=0",
+                          "eval.before=false", "eval.after=false"])  # forked (conftest)
+    assert res.returncode == 0, res.stderr[-2000:]
     return out
 
 
@@ -158,13 +144,8 @@ def test_index_follows_a_growing_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_view_serves_and_refuses_public_hosts(smoke_run):
-    res = subprocess.run(
-        [sys.executable, "-m", "polyrl", "view", str(smoke_run), "--host", "0.0.0.0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+def test_cli_view_serves_and_refuses_public_hosts(smoke_run, polyrl_cli):
+    res = polyrl_cli.run(["view", str(smoke_run), "--host", "0.0.0.0"], timeout=60)
     assert res.returncode == 2 and "loopback" in res.stderr and "Traceback" not in res.stderr
     proc = subprocess.Popen(
         [sys.executable, "-m", "polyrl", "view", str(smoke_run), "--port", "0"],

@@ -345,14 +345,13 @@ def _run_dir_with_an_earlier_run(tmp_path: Path) -> tuple[Path, dict[str, bytes]
 
 
 @pytest.mark.slow
-def test_polyrl_train_exits_2_with_one_line_and_leaves_the_run_dir_alone(tmp_path):
+def test_polyrl_train_exits_2_with_one_line_and_leaves_the_run_dir_alone(tmp_path, polyrl_cli):
     write_jsonl(tmp_path / "data.jsonl", ROWS)
     config = {**TINY, "name": "bad_reward", "train": {"steps": 2},
               "tasks": [{"name": "qa", "items": "data.jsonl", "reward": "yourdata_no_such_module:score"}]}
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(config))
     run_dir, before = _run_dir_with_an_earlier_run(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "polyrl", "train", "cfg.yaml", "-o", "RUN_DIR"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
+    proc = polyrl_cli.run(["train", "cfg.yaml", "-o", "RUN_DIR"], cwd=tmp_path, timeout=120)  # forked (conftest)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "error: cfg.yaml: tasks.0.reward: no module named 'yourdata_no_such_module' "
@@ -474,18 +473,17 @@ def test_an_agent_task_takes_its_items_from_a_jsonl_file(tmp_path, monkeypatch):
 # --- 9. polyrl data -------------------------------------------------------------------------------------------
 
 
-def _data_cli(tmp_path: Path, task: dict) -> subprocess.CompletedProcess:
+def _data_cli(polyrl_cli, tmp_path: Path, task: dict) -> subprocess.CompletedProcess:
     rows = [{"question": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(10)]
     write_jsonl(tmp_path / "qa.jsonl", rows)
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump({**TINY, "tasks": [{"name": "qa", "items": "qa.jsonl",
                                                                           "held_out_fraction": 0.3, **task}]}))
-    return subprocess.run([sys.executable, "-m", "polyrl", "data", "cfg.yaml"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+    return polyrl_cli.run(["data", "cfg.yaml"], cwd=tmp_path, timeout=120)  # the command line, forked (conftest)
 
 
 @pytest.mark.slow
-def test_polyrl_data_shows_rows_prompts_lengths_and_the_audit(tmp_path):
-    proc = _data_cli(tmp_path, {"prompt_suffix": " Reply with the number."})
+def test_polyrl_data_shows_rows_prompts_lengths_and_the_audit(tmp_path, polyrl_cli):
+    proc = _data_cli(polyrl_cli, tmp_path, {"prompt_suffix": " Reply with the number."})
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "task 'qa' (env dataset)" in out
@@ -499,9 +497,9 @@ def test_polyrl_data_shows_rows_prompts_lengths_and_the_audit(tmp_path):
 
 
 @pytest.mark.slow
-def test_polyrl_data_exits_1_when_the_audit_fails(tmp_path):
+def test_polyrl_data_exits_1_when_the_audit_fails(tmp_path, polyrl_cli):
     (tmp_path / "zero_reward.py").write_text("def score(completion, item):\n    return 0.0\n")
-    proc = _data_cli(tmp_path, {"reward": "zero_reward:score"})
+    proc = _data_cli(polyrl_cli, tmp_path, {"reward": "zero_reward:score"})
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "reward audit failed" in proc.stdout and "every reply scored 0" in proc.stdout
     assert "qa.jsonl: line" in proc.stdout
