@@ -359,9 +359,10 @@ def test_polyrl_train_exits_2_with_one_line_and_leaves_the_run_dir_alone(tmp_pat
     assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before
 
 
+@pytest.mark.slow
 def test_a_bad_row_or_a_failed_audit_stops_training_before_the_run_dir_is_touched(tmp_path, monkeypatch):
-    """The CLI turns these ValueErrors into exit 2 as above; here in-process, as importing the trainer in a
-    subprocess costs ~10 s on two cores."""
+    """The CLI turns these ValueErrors into exit 2 as above; here in-process. Slow: the model and engine are
+    built before the rows are audited (and the engine waits for the native kernels' build on a cold cache)."""
     from polyrl.run.loop import train
 
     monkeypatch.chdir(tmp_path)
