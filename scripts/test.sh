@@ -24,9 +24,12 @@ if [ "$fast" -eq 0 ] && ! { [ -x "$chromium" ] || command -v "$chromium" >/dev/n
     exit 1
   fi
 fi
-# Two workers (pytest-xdist), each given whole modules so that module fixtures are built once.
-# POLYRL_TEST_WORKERS=0 runs everything in this process. The 15 slowest tests are listed at the end.
-python -m pytest tests -n "${POLYRL_TEST_WORKERS:-2}" --dist loadfile --durations=15 "${args[@]}"
+# Two workers (pytest-xdist), each given whole modules so that module fixtures are built once, in collection
+# order: tests/conftest.py puts the longest modules first (xdist's own order, most tests first, would start
+# long modules of few tests last). POLYRL_TEST_WORKERS=0 runs everything in this process. The 15 slowest tests
+# are listed at the end.
+python -m pytest tests -n "${POLYRL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder --durations=15 \
+  "${args[@]}"
 rc=$?
 if [ "$rc" -eq 5 ]; then echo "no tests were collected" >&2; exit 1; fi
 exit "$rc"

@@ -10,6 +10,40 @@ from tests.forkserver import ForkServer
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
 
+LONGEST_FIRST = (
+    "test_ray_learner_ranks.py",
+    "test_native_capped_builds.py",  # compiles two builds of the native kernels when the cache is cold (CI)
+    "test_kill_resume_two_ranks.py",
+    "test_runtime_ray.py",
+    "test_resume_runtimes.py",
+    "test_retention.py",
+    "test_kill_resume.py",
+    "test_gpu_check.py",
+    "test_weight_sync.py",
+    "test_real_model.py",
+    "test_pipeline.py",
+    "test_faults.py",
+    "test_code_verdict.py",
+    "test_determinism.py",
+    "test_sharded_checkpoint.py",
+    "test_sharded_learner.py",
+    "test_architectures.py",
+    "test_native_f32.py",  # builds this machine's kernels when the cache is cold
+    "test_runtime_async.py",
+    "test_cli_e2e.py",
+    "test_viewer.py",
+    "test_agent_tasks.py",
+)
+"""The modules that take longest, longest first. scripts/test.sh hands whole modules to two workers in collection
+order (``--dist loadfile --no-loadscope-reorder``): these start first, and the many short modules after them fill
+in at the end, so that the two workers finish together instead of one starting a long module as the other ends.
+A name here that no longer exists fails tests/test_suite_order.py."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_threads():
