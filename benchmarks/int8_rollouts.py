@@ -34,6 +34,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from large_data import machine  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "int8_rollouts.json"
 INT8 = ["engine.int8_weights=true", "algorithm.off_policy=tis"]
 PROMPT = "What is 17 + 25? Answer with just the number."
@@ -149,6 +151,8 @@ def main() -> None:
         rollout(TINY_ALIAS, [16], 1, 16, gaps=False)
         return
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
+    part = "learning" if args.learning else "rollout"
+    result.setdefault("machine", {})[part] = machine()  # each part may run on another machine or load
     if args.learning:
         result["learning"] = learning(args.seeds, args.steps, args.work)
     else:
