@@ -24,6 +24,7 @@ import pytest
 import torch
 import yaml
 from conftest import SMOKE
+from test_native_f32 import PROMPTS, randn
 
 from polyrl.config import ConfigError, LoraConfig
 from polyrl.config_check import load_config
@@ -36,17 +37,11 @@ from polyrl.models.loading import load_model, load_tokenizer
 if os.environ.get("POLYRL_NATIVE") == "0":
     pytest.skip("native kernels switched off (POLYRL_NATIVE=0)", allow_module_level=True)
 
-PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
-
 
 @pytest.fixture(scope="module")
 def ops():
     assert native.available(), "the native kernels did not build (see the warning logged above)"
     return native.ops()
-
-
-def randn(*shape: int, seed: int = 0) -> torch.Tensor:
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
 def test_quantisation_round_trip_is_within_half_a_step_per_element():
