@@ -1,7 +1,7 @@
 """The native kernels' builds per instruction-set cap (``ATEN_CPU_CAPABILITY``, polyrl/engines/native): each
 cap has its compiler flags and a cache entry of its own, and a process started under a cap builds (or finds in
 the cache) kernels of that instruction set that compute what torch computes. A cold cache compiles each build
-(about a minute of CPU each): tests/test_native_f32.py tests the kernels of this machine's own build in depth.
+(about 20 CPU-seconds each): tests/test_native_f32.py tests the kernels of this machine's own build in depth.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class EngineConfig(_Strict):
     native_kernels: bool = True
     """With ``fast_decode``: run the small operations of each decode step (residual add with RMSNorm, rotary
     with the key/value write, attention, SiLU) as fused C++ kernels, built with the machine's C++ compiler
-    on first use and cached (about 10 s, once); 1.4-1.5x the tokens/s (docs/performance.md). Without a
+    on first use and cached (under half a minute, once); 1.4-1.5x the tokens/s (docs/performance.md). Without a
     compiler the decode path keeps its torch operations, with a warning."""
     recompute_logprobs: bool = False
     """Replace the engine's behaviour log-probs by the learner policy's own (float32 output head, same

@@ -1,8 +1,9 @@
 """Fused C++ kernels for the fused decode path, compiled on first use and cached.
 
-``available()`` builds the ``*.cpp`` files beside this module with torch's extension builder (a C++ compiler
-and ninja are needed; ninja is a dependency) into the polyrl cache, keyed by the sources, the torch version,
-this CPU's instruction sets and the instruction-set cap, and loads them as ``torch.ops.polyrl_native``.
+``available()`` builds the ``*.cpp`` files beside this module, as one translation unit (``kernels.cpp``), with
+torch's extension builder (a C++ compiler and ninja are needed; ninja is a dependency) into the polyrl cache,
+keyed by the sources, the torch version, this CPU's instruction sets and the instruction-set cap, and loads
+them as ``torch.ops.polyrl_native``.
 
 The build targets the CPU it runs on (``-march=native``) unless ``ATEN_CPU_CAPABILITY``, torch's own cap on
 the instruction sets its kernels use, says otherwise: ``avx2`` builds for AVX2 and FMA (how an AVX-512 machine
@@ -29,9 +30,13 @@ from polyrl.models.loading import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))
+HERE = Path(__file__).parent
+SOURCES = sorted(HERE.glob("*.cpp")) + sorted(HERE.glob("*.h"))
+"""Everything a build reads: the cache key hashes all of it."""
+BUILD_UNIT = HERE / "kernels.cpp"
+"""The one file compiled: it includes the kernel files, so torch's headers are parsed once a build."""
 STALE_LOCK_S = 600.0
-"""A build lock older than this was left by a process that died while building (a build takes about a minute).
+"""A build lock older than this was left by a process that died while building (a build takes under a minute).
 torch's builder waits on its lock file for ever, so every later run would hang at its first decode."""
 _state: dict[str, bool] = {}
 
@@ -64,8 +69,8 @@ def _arch_flags() -> list[str]:
 
 def _build_dir() -> Path:
     digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags() + isa_cap().encode())
-    for source in SOURCES + sorted(Path(__file__).parent.glob("*.h")):
-        digest.update(source.read_bytes())
+    for source in SOURCES:
+        digest.update(source.name.encode() + source.read_bytes())
     key = digest.hexdigest()[:16]
     path = cache_dir() / "native" / key
     path.mkdir(parents=True, exist_ok=True)
@@ -99,7 +104,7 @@ def _load() -> bool:
     try:
         cpp_extension.load(
             name="polyrl_native",
-            sources=[str(s) for s in SOURCES],
+            sources=[str(BUILD_UNIT)],
             extra_cflags=["-O3", *_arch_flags(), "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
