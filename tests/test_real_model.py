@@ -33,3 +33,17 @@ def test_real_model_evaluates_and_takes_an_rl_step(tmp_path):
     (step,) = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert math.isfinite(step["loss"]) and step["kl"] is not None and step["response_length/mean"] > 0
     assert (tmp_path / "run" / "checkpoints" / "step-1" / "adapter_model.safetensors").exists()
+
+
+def test_the_conversions_memoised_name_maps_equal_gguf_own_and_are_put_back():
+    import gguf
+
+    from polyrl.models.loading import _memoised_gguf_name_maps
+
+    original = gguf.get_tensor_name_map
+    arch = gguf.MODEL_ARCH.LLAMA
+    with _memoised_gguf_name_maps():
+        first, again = gguf.get_tensor_name_map(arch, 30), gguf.get_tensor_name_map(arch, 30)
+        assert first is again  # built once
+        assert first.mapping == original(arch, 30).mapping
+    assert gguf.get_tensor_name_map is original

@@ -3,6 +3,8 @@ or any Hugging Face causal-LM directory; optionally wrap it with LoRA adapters (
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -80,13 +82,28 @@ def smollm2_tokenizer_dir() -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _memoised_gguf_name_maps():
+    """transformers rebuilds gguf's tensor-name map (a pure function of architecture and depth) once per module
+    of the model, a third of a conversion's time; memoised for the conversion, then put back."""
+    import gguf
+
+    original = gguf.get_tensor_name_map
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
+
+
 def smollm2_dir() -> Path:
     """Dequantise the bundled Q4_1 GGUF to a float32 HF checkpoint once; later loads read the cache."""
     target = cache_dir() / SMOLLM2_ALIAS
     if not (target / "model.safetensors").exists():
         _quiet_transformers()
         log.info("converting bundled SmolLM2 GGUF to %s (once)", target)
-        model = AutoModelForCausalLM.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE, dtype=torch.float32)
+        with _memoised_gguf_name_maps():
+            model = AutoModelForCausalLM.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE, dtype=torch.float32)
         # transformers marks GGUF-loaded models as quantized; the weights are plain float32 now.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
