@@ -10,7 +10,8 @@ evaluator and training-time budget), written under its own tag; this script choo
     python benchmarks/vs_trl_fair.py table                              # docs/results/vs-trl-fair.md
 
 TRL's linear schedule is set to reach 0 at the step it gets to in the budget (``--trl-decay-steps``, by default
-the budget over TRL's median step in benchmarks/results/vs_trl.json), as polyrl's reaches 0 at ``train.steps``.
+the budget over TRL's median step in the sweep, or before the sweep in benchmarks/results/vs_trl.json), as
+polyrl's reaches 0 at ``train.steps``.
 Both sides run bf16 where the CPU computes it natively (TRL's default; polyrl's ``auto``); ``--fp32`` runs TRL in
 float32 for a CPU without it. Results: benchmarks/results/vs_trl_fair.json. Run on an idle machine: the budget is
 wall-clock training time.
@@ -46,15 +47,21 @@ def run_arm(tag: str, kind: str, args: argparse.Namespace, extra: list[str]) -> 
     return {**result["frameworks"][kind], "accuracy_before": result["accuracy_before"], "flags": extra}
 
 
-def trl_decay_steps(args: argparse.Namespace) -> int:
+def trl_decay_steps(args: argparse.Namespace, summary: dict) -> int:
+    """The step TRL reaches in the budget: from the sweep's own TRL runs once there are any (this machine, this
+    day), else from the last benchmarks/results/vs_trl.json."""
     if args.trl_decay_steps:
         return args.trl_decay_steps
-    step = json.loads((RESULTS / "vs_trl.json").read_text())["frameworks"]["trl"]["median_step_s"]
+    sweep = summary.get("sweep", {})
+    if sweep:
+        step = statistics.median(r["median_step_s"] for r in sweep.values())
+    else:
+        step = json.loads((RESULTS / "vs_trl.json").read_text())["frameworks"]["trl"]["median_step_s"]
     return max(1, int(args.minutes * 60 / step))
 
 
-def trl_flags(args: argparse.Namespace, lr: float, seed: int) -> list[str]:
-    return ["--trl-lr", str(lr), "--seed", str(seed), "--trl-decay-steps", str(trl_decay_steps(args)),
+def trl_flags(args: argparse.Namespace, decay_steps: int, lr: float, seed: int) -> list[str]:
+    return ["--trl-lr", str(lr), "--seed", str(seed), "--trl-decay-steps", str(decay_steps),
             *(["--trl-fp32"] if args.fp32 else [])]
 
 
@@ -98,16 +105,17 @@ def main() -> None:
     args = p.parse_args()
     summary = json.loads(SUMMARY.read_text()) if SUMMARY.exists() else {}
     summary["minutes"] = args.minutes
+    decay_steps = trl_decay_steps(args, summary)  # once per part: every arm of it decays alike
     if args.part == "sweep":
         for lr in args.lrs:
-            run = run_arm(f"fair-trl-lr{lr}-s0", "trl", args, trl_flags(args, lr, 0))
+            run = run_arm(f"fair-trl-lr{lr}-s0", "trl", args, trl_flags(args, decay_steps, lr, 0))
             summary.setdefault("sweep", {})[str(lr)] = run
             SUMMARY.write_text(json.dumps(summary, indent=2))
     elif args.part == "seeds":
         lr = best_trl_lr(summary)
         for seed in args.seeds:
             like = ["--seed", str(seed), "--like-for-like", "--polyrl-lr", str(lr)]
-            arms = {"trl_best": ("trl", trl_flags(args, lr, seed)),
+            arms = {"trl_best": ("trl", trl_flags(args, decay_steps, lr, seed)),
                     "polyrl_recipe": ("polyrl", ["--seed", str(seed)]),
                     "polyrl_like_for_like": ("polyrl", like)}
             for arm, (kind, flags) in arms.items():
