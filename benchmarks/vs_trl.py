@@ -56,7 +56,7 @@ class Snapshots:
         return self.train_time >= self.budget
 
     def finish(self, save) -> None:
-        """Training ended before the budget (polyrl's schedule ran out): snapshot the final weights now."""
+        """Training ended before the budget (its schedule ran out): snapshot the final weights now."""
         if self.due:
             self.due.clear()
             if not self.saved or self.saved[-1]["step"] != len(self.step_times):  # not saved at this step yet
@@ -176,6 +176,12 @@ def worker_trl(args) -> dict:
         callbacks=[Clock()],
     )
     trainer.train()
+
+    def save_final(path: Path) -> None:
+        trainer.model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+
+    clock.finish(save_final)  # the schedule (--trl-decay-steps) ended before the budget: the final weights count
     return clock.result()
 
 
