@@ -35,6 +35,15 @@ def test_the_cap_chooses_the_build_and_its_cache(monkeypatch, tmp_path):
     assert native.isa_cap() == "native"
 
 
+def test_another_copy_of_the_sources_builds_into_an_entry_of_its_own(monkeypatch, tmp_path):
+    """torch's builder records the sources' paths: two trees sharing an entry would rebuild it in turn."""
+    monkeypatch.setattr(native, "cache_dir", lambda: tmp_path)
+    here = native._build_dir()
+    assert native._build_dir() == here  # the same tree finds its entry again
+    monkeypatch.setattr(native, "HERE", tmp_path / "another" / "checkout")
+    assert native._build_dir() != here
+
+
 CAPPED_CHECK = """
 import torch
 from polyrl.engines import native

@@ -2,8 +2,8 @@
 
 ``available()`` builds the ``*.cpp`` files beside this module, as one translation unit (``kernels.cpp``), with
 torch's extension builder (a C++ compiler and ninja are needed; ninja is a dependency) into the polyrl cache,
-keyed by the sources, the torch version, this CPU's instruction sets and the instruction-set cap, and loads
-them as ``torch.ops.polyrl_native``.
+keyed by the sources and where they lie, the torch version, this CPU's instruction sets and the
+instruction-set cap, and loads them as ``torch.ops.polyrl_native``.
 
 The build targets the CPU it runs on (``-march=native``) unless ``ATEN_CPU_CAPABILITY``, torch's own cap on
 the instruction sets its kernels use, says otherwise: ``avx2`` builds for AVX2 and FMA (how an AVX-512 machine
@@ -68,7 +68,9 @@ def _arch_flags() -> list[str]:
 
 
 def _build_dir() -> Path:
-    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags() + isa_cap().encode())
+    # The sources' directory too: torch's builder writes their paths into the build, and rebuilds whenever
+    # another copy of the tree (same sources, other paths) used the entry last.
+    digest = hashlib.sha256(torch.__version__.encode() + _cpu_flags() + isa_cap().encode() + str(HERE).encode())
     for source in SOURCES:
         digest.update(source.name.encode() + source.read_bytes())
     key = digest.hexdigest()[:16]
