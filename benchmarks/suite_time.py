@@ -9,8 +9,9 @@ Each tier is ``bash scripts/test.sh`` (``--fast``) on this checkout, timed from 
 line (passed, skipped, failed), the CPU seconds of the processes it waited for (Ray's daemons are not among
 them) and the ten slowest tests are kept. With ``--cold-cache`` the tier runs with an empty polyrl cache
 (``POLYRL_CACHE``): the native kernels are compiled and the bundled model converted inside the suite, as in CI.
-Run it on an idle machine: the suite uses both pytest-xdist workers. Results: benchmarks/results/suite_time.json (one record per run, appended), and
-every record as the table in docs/testing.md ("Wall time").
+Run it on an idle machine: the suite uses both pytest-xdist workers. Results: benchmarks/results/suite_time.json
+(one record per run, appended), and every record as the table in docs/testing.md ("Wall time"). A tier that
+fails is not recorded: its output's tail is printed and the script exits non-zero.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def run_tier(tier: str, cold_cache: bool) -> dict:
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|skipped|failed|errors?)", summary)}
     slowest = re.findall(r"^(\d+\.\d+)s (?:call|setup|teardown)\s+(\S+)", out, re.M)[:10]
     return {"tier": tier, "cache": "cold" if cold_cache else "warm", "wall_s": round(wall, 1),
-            "cpu_s": round(cpu, 1), "exit_code": proc.returncode, **counts,
+            "cpu_s": round(cpu, 1), "exit_code": proc.returncode, "tail": out[-3000:], **counts,
             "slowest": [{"test": name, "s": float(s)} for s, name in slowest]}
 
 
@@ -94,7 +95,11 @@ def main() -> None:
     for tier in args.tiers:
         record = {"date": date.today().isoformat(), "label": args.label, "machine": machine,
                   **run_tier(tier, args.cold_cache)}
-        print(json.dumps({k: v for k, v in record.items() if k != "slowest"}), flush=True)
+        print(json.dumps({k: v for k, v in record.items() if k not in ("slowest", "tail")}), flush=True)
+        if record["exit_code"] != 0:
+            raise SystemExit(f"the {tier} tier failed (exit {record['exit_code']}), nothing recorded:\n"
+                             f"{record['tail']}")
+        del record["tail"]
         records.append(record)
         RESULTS.write_text(json.dumps(records, indent=1) + "\n")
     replace_block(DOC, START, END, table(records), "Test suite")
