@@ -72,12 +72,42 @@ def _atomic_save_dir(target: Path, write) -> None:
         raise
 
 
+BYTE_LEVEL_BPE = {
+    "normalizer": None,
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+}
+"""What a GGUF ``gpt2`` tokenizer is: byte-level BPE, every byte a token, so no byte fallback and no unknown
+token. transformers 5.17 converts it with SentencePiece's decoder parts (a newline decodes as 'Ċ') and the wrong
+end token; the pipeline and the special tokens are set from the file, so every supported version agrees."""
+_SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
+                "unk_token": "unknown_token_id"}
+
+
+def _byte_level_as_the_gguf_says(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    import gguf
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    fields = gguf.GGUFReader(str(_gguf_dir() / _GGUF_FILE)).fields
+    if fields["tokenizer.ggml.model"].contents() != "gpt2":
+        return tok
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    spec.update(BYTE_LEVEL_BPE)
+    spec["model"].update(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
+                         byte_fallback=False)
+    special = {name: tok.convert_ids_to_tokens(int(fields[f"tokenizer.ggml.{key}"].contents()))
+               for name, key in _SPECIAL_IDS.items() if f"tokenizer.ggml.{key}" in fields}
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   chat_template=tok.chat_template, **special)
+
+
 def smollm2_tokenizer_dir() -> Path:
     """The SmolLM2 tokenizer, read from the bundled GGUF once and cached (the tiny test model uses it too)."""
     target = cache_dir() / "smollm2-tokenizer"
     if not (target / "tokenizer_config.json").exists():
         _quiet_transformers()
-        tok = AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE)
+        tok = _byte_level_as_the_gguf_says(AutoTokenizer.from_pretrained(_gguf_dir(), gguf_file=_GGUF_FILE))
         _atomic_save_dir(target, tok.save_pretrained)
     return target
 
