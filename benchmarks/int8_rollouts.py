@@ -154,7 +154,10 @@ def main() -> None:
     part = "learning" if args.learning else "rollout"
     result.setdefault("machine", {})[part] = machine()  # each part may run on another machine or load
     if args.learning:
-        result["learning"] = learning(args.seeds, args.steps, args.work)
+        new = learning(args.seeds, args.steps, args.work)
+        done = {(r["label"], r["seed"], r["steps"]) for r in new}  # runs of other seeds are kept
+        result["learning"] = [r for r in result.get("learning", [])
+                              if (r["label"], r["seed"], r["steps"]) not in done] + new
     else:
         result["rollout"] = {"threads": torch.get_num_threads(), "isa": native_ops().isa(),
                              "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
