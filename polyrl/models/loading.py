@@ -14,7 +14,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from tokenizers import Tokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from polyrl.config import LoraConfig
 from polyrl.models.forward import use_float32_attention
@@ -86,8 +93,6 @@ _SPECIAL_IDS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_t
 
 def _byte_level_as_the_gguf_says(tok: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
     import gguf
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
 
     fields = gguf.GGUFReader(str(_gguf_dir() / _GGUF_FILE)).fields
     if fields["tokenizer.ggml.model"].contents() != "gpt2":
