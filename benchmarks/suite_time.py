@@ -17,6 +17,7 @@ fails is not recorded: its output's tail is printed and the script exits non-zer
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -57,7 +58,8 @@ def children_cpu_s() -> float:
 
 def run_tier(tier: str, cold_cache: bool) -> dict:
     env = dict(os.environ)
-    with tempfile.TemporaryDirectory(prefix="polyrl-cold-cache-") as cache:
+    cache_dir = tempfile.TemporaryDirectory(prefix="polyrl-cold-cache-") if cold_cache else contextlib.nullcontext()
+    with cache_dir as cache:
         if cold_cache:
             env["POLYRL_CACHE"] = cache
         cpu0, t0 = children_cpu_s(), time.perf_counter()
@@ -95,11 +97,10 @@ def main() -> None:
     for tier in args.tiers:
         record = {"date": date.today().isoformat(), "label": args.label, "machine": machine,
                   **run_tier(tier, args.cold_cache)}
-        print(json.dumps({k: v for k, v in record.items() if k not in ("slowest", "tail")}), flush=True)
+        tail = record.pop("tail")
+        print(json.dumps({k: v for k, v in record.items() if k != "slowest"}), flush=True)
         if record["exit_code"] != 0:
-            raise SystemExit(f"the {tier} tier failed (exit {record['exit_code']}), nothing recorded:\n"
-                             f"{record['tail']}")
-        del record["tail"]
+            raise SystemExit(f"the {tier} tier failed (exit {record['exit_code']}), nothing recorded:\n{tail}")
         records.append(record)
         RESULTS.write_text(json.dumps(records, indent=1) + "\n")
     replace_block(DOC, START, END, table(records), "Test suite")
