@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_block import replace_block
+from machine_facts import label, machine
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "cascade"
@@ -39,16 +38,6 @@ def plain_stage(stage: dict) -> dict:
     retention = ("replay", "replay_from", "retain_coef", "until_within", "keep_best", "eval_every", "focus", "lr",
                  "rollout")
     return {k: v for k, v in stage.items() if k not in retention}
-
-
-def machine() -> str:
-    """The CPU's model name and core count."""
-    name = platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        name = next((x.split(":", 1)[1].strip() for x in cpuinfo.read_text().splitlines()
-                     if x.startswith("model name")), name)
-    return f"{name}, {os.cpu_count()} cores"
 
 
 def load(path: Path, seed: int, scale: float, eval_n: int | None, plain: bool):
@@ -165,7 +154,7 @@ def main() -> None:
         "config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config),
         "variant": variant, "seed": args.seed, "scale": args.scale,
         "model": config.model.name,
-        "machine": machine(),
+        "machine": label(machine()),
         # what model.bf16 / engine.bf16_weights (auto) resolved to here: runs in another precision differ
         "precision": {"training": "bf16" if model_bf16(config) else "float32",
                       "sampling": "bf16" if engine_bf16(config) else "float32"},

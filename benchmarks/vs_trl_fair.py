@@ -7,7 +7,8 @@ evaluator and training-time budget), written under its own tag; this script choo
     python benchmarks/vs_trl_fair.py sweep --lrs 5e-6 1e-5 3e-5 5e-5   # TRL at each rate, seed 0 (~10 min each)
     python benchmarks/vs_trl_fair.py seeds --seeds 0 1 2                # the best TRL rate, polyrl's recipe, and
                                                                         # polyrl like for like, per seed
-    python benchmarks/vs_trl_fair.py table                              # docs/results/vs-trl-fair.md
+    python benchmarks/vs_trl_fair.py table                              # docs/results/vs-trl-fair.md and
+                                                                        # the README's two tables
 
 TRL's linear schedule is set to reach 0 at the step it gets to in the budget (``--trl-decay-steps``, by default
 the budget over TRL's median step in the sweep, or before the sweep in benchmarks/results/vs_trl.json), as
@@ -24,15 +25,20 @@ import json
 import statistics
 import subprocess
 import sys
+import textwrap
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_block import replace_block  # noqa: E402
+from machine_facts import label, machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SUMMARY = RESULTS / "vs_trl_fair.json"
 DOC = ROOT / "docs" / "results" / "vs-trl-fair.md"
+README = ROOT / "README.md"
+ARMS = {"trl_best": "TRL `GRPOTrainer`", "polyrl_like_for_like": "polyrl", "polyrl_recipe": "polyrl"}
 
 
 def run_arm(tag: str, kind: str, args: argparse.Namespace, extra: list[str]) -> dict:
@@ -44,7 +50,8 @@ def run_arm(tag: str, kind: str, args: argparse.Namespace, extra: list[str]) -> 
     written = RESULTS / f"vs_trl_{tag}.json"  # kept whole in the summary instead of one file per arm
     result = json.loads(written.read_text())
     written.unlink()
-    return {**result["frameworks"][kind], "accuracy_before": result["accuracy_before"], "flags": extra}
+    return {**result["frameworks"][kind], "accuracy_before": result["accuracy_before"], "flags": extra,
+            "machine": label(machine())}
 
 
 def trl_decay_steps(args: argparse.Namespace, summary: dict) -> int:
@@ -93,6 +100,40 @@ def table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def readme_tables(summary: dict) -> str:
+    """The README's two tables over the seeded arms: like for like, and each at its best, with the machine and
+    the median step of each polyrl arm as a multiple of TRL's."""
+    def row(arm: str, trl_step: float | None) -> str:
+        runs = summary[arm]
+        accs = [100 * runs[s]["final_accuracy"] for s in sorted(runs)]
+        step = statistics.median(r["median_step_s"] for r in runs.values())
+        steps = statistics.median(r["steps"] for r in runs.values())
+        minutes = statistics.median(r["snapshots"][-1]["train_time_s"] / 60 for r in runs.values())
+        faster = f" (**{trl_step / step:.1f}x** shorter)" if trl_step else ""
+        return (f"| {ARMS[arm]} | {step:.2f} s{faster} | {steps:.0f} in {minutes:.1f} min | "
+                f"{' / '.join(f'{a:.1f} %' for a in accs)} | **{statistics.median(accs):.1f} %** |")
+
+    if not all(summary.get(arm) for arm in ARMS):
+        return "(the seeded arms have not run yet: `python benchmarks/vs_trl_fair.py seeds`)"
+    trl_step = statistics.median(r["median_step_s"] for r in summary["trl_best"].values())
+    machines = sorted({r.get("machine", "?") for arm in ARMS for r in summary[arm].values()})
+    head = ["| | median step | steps, training time | held-out accuracy per seed | median |",
+            "| --- | --- | --- | --- | --- |"]
+    wrap = partial(textwrap.fill, width=115, break_on_hyphens=False)
+    trl_steps = statistics.median(r["steps"] for r in summary["trl_best"].values())
+    return "\n".join([
+        wrap("Like for like: TRL's algorithm settings on both sides (one sampling round, no guidance, clip 0.2 "
+             f"both ways, Adam's default betas) at TRL's best learning rate, {best_trl_lr(summary):g}:"), "", *head,
+        row("trl_best", None), row("polyrl_like_for_like", trl_step), "",
+        wrap("Each at its best: TRL at its best rate; polyrl's `configs/quickstart.yaml` (lr 3e-5, clip-higher, "
+             "dynamic sampling, reference guidance):"), "", *head, row("trl_best", None),
+        row("polyrl_recipe", trl_step), "",
+        wrap(f"{len(summary['trl_best'])} seeds per arm, a budget of {summary.get('minutes', 7.5):g} minutes of "
+             f"training each (TRL's schedule ends at step {trl_steps:.0f}, polyrl's at 90); held-out accuracy before "
+             f"training {100 * next(iter(summary['trl_best'].values()))['accuracy_before']:.1f} %. "
+             f"Machine: {'; '.join(machines)}, no GPU.")])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("part", choices=["sweep", "seeds", "table"])
@@ -122,6 +163,8 @@ def main() -> None:
                 summary.setdefault(arm, {})[str(seed)] = run_arm(f"fair-{arm}-s{seed}", kind, args, flags)
                 SUMMARY.write_text(json.dumps(summary, indent=2))
     replace_block(DOC, "<!-- vs-trl-fair:start -->", "<!-- vs-trl-fair:end -->", table(summary), "Results")
+    replace_block(README, "<!-- vs-trl:start -->", "<!-- vs-trl:end -->", readme_tables(summary),
+                  "polyrl against TRL")
     print(table(summary))
 
 
