@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -56,22 +55,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from doc_block import replace_block  # noqa: E402
+from machine_facts import machine  # noqa: E402
 
 CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 PATHS = {"float32_avx2": CAPS, "bf16": {}}
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "avx2_path.json"
-FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def machine() -> dict:
-    """The CPU, its core count, the instruction sets that matter here, the load now."""
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("model name")),
-                 platform.processor() or platform.machine())
-    family = next((x.split(":", 1)[1].strip() for x in text.splitlines() if x.startswith("cpu family")), "?")
-    words = set(text.split())
-    return {"cpu": model, "cpu_family": family, "cores": os.cpu_count(),
-            "flags": [f for f in FLAGS if f in words], "load_average": list(os.getloadavg())}
 
 
 def load_now() -> list[float]:
