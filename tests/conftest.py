@@ -11,9 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "configs" / "smoke.yaml"
 
 LONGEST_FIRST = (
-    "test_ray_learner_ranks.py",
-    "test_native_capped_builds.py",  # compiles two builds of the native kernels when the cache is cold (CI)
     "test_kill_resume_two_ranks.py",
+    "test_native_capped_builds.py",  # compiles two builds of the native kernels when the cache is cold (CI)
     "test_runtime_ray.py",
     "test_resume_runtimes.py",
     "test_retention.py",

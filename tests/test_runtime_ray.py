@@ -1,7 +1,7 @@
 """The Ray runtime on a local 2-CPU Ray: rollout workers as actors; a worker killed mid-run is replaced and
 its shard redone, with nothing lost or counted twice; weights reach the workers through the object store or a
 collective group, from one learner or two ranks. Slow (minutes on 2 cores): each actor imports and builds its
-own run. Learner ranks as actors: tests/test_ray_learner_ranks.py."""
+own run. Learner ranks as actors: tests/test_kill_resume_two_ranks.py, tests/test_ray_learner_ranks.py."""
 
 import json
 import os
