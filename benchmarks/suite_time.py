@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
 import re
 import resource
 import subprocess
@@ -33,22 +32,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.doc_block import replace_block  # noqa: E402
+from benchmarks.machine_facts import label  # noqa: E402
+from benchmarks.machine_facts import machine as cpu_facts  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "suite_time.json"
 DOC = ROOT / "docs" / "testing.md"
 START, END = "<!-- test-suite:start -->", "<!-- test-suite:end -->"
 TIERS = {"full": [], "fast": ["--fast"]}
-
-
-def cpu_model() -> str:
-    """The CPU's name and its widest matrix instructions (what sets the tests' speed here)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                platform.processor() or "unknown")
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    isa = next((label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"), ("avx2", "AVX2"))
-                if flag in flags), "")
-    return f"{name} ({isa})" if isa else name
 
 
 def children_cpu_s() -> float:
@@ -92,7 +82,7 @@ def main() -> None:
     ap.add_argument("--label", default="")
     ap.add_argument("--cold-cache", action="store_true", help="run each tier with an empty polyrl cache")
     args = ap.parse_args()
-    machine = f"{os.cpu_count()}-core {cpu_model()}"
+    machine = label(cpu_facts())
     records = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     for tier in args.tiers:
         record = {"date": date.today().isoformat(), "label": args.label, "machine": machine,
