@@ -83,6 +83,8 @@ def worker_polyrl(args) -> dict:
                       "optim.betas=[0.9,0.999]"]
     if args.polyrl_lr is not None:
         overrides.append(f"optim.lr={args.polyrl_lr}")
+    if args.polyrl_fp32:
+        overrides += ["model.bf16=false", "engine.bf16_weights=false"]
     if args.lora:
         overrides += ["model.lora={r: 16, alpha: 32}"]
     if args.no_dynamic_sampling:
@@ -235,6 +237,8 @@ def main() -> None:
                    help="TRL's linear schedule reaches 0 at this step (as polyrl's does at train.steps); set it to "
                         "the steps TRL takes in --minutes")
     p.add_argument("--trl-fp32", action="store_true", help="TRL in float32 (its default is bf16 autocast)")
+    p.add_argument("--polyrl-fp32", action="store_true", help="polyrl in float32 (model.bf16 and "
+                   "engine.bf16_weights false), as on a CPU without native bf16")
     p.add_argument("--like-for-like", action="store_true",
                    help="polyrl with TRL's algorithm: no dynamic sampling or guidance, clip 0.2, Adam betas "
                         "(0.9, 0.999); give both the same learning rate")

@@ -14,14 +14,17 @@ TRL's linear schedule is set to reach 0 at the step it gets to in the budget (``
 the budget over TRL's median step in the sweep, or before the sweep in benchmarks/results/vs_trl.json), as
 polyrl's reaches 0 at ``train.steps``.
 Both sides run bf16 where the CPU computes it natively (TRL's default; polyrl's ``auto``); ``--fp32`` runs TRL in
-float32 for a CPU without it. Results: benchmarks/results/vs_trl_fair.json. Run on an idle machine: the budget is
-wall-clock training time.
+float32 for a CPU without it. ``--avx2`` runs the like-for-like arms on the float32 path of a CPU without native
+bf16, on any x86 machine: both sides in float32, every library capped at AVX2 (as benchmarks/avx2_path.py does),
+under arm names of their own (``avx2_trl_best``, ``avx2_polyrl_like_for_like``); give ``--trl-decay-steps``.
+Results: benchmarks/results/vs_trl_fair.json. Run on an idle machine: the budget is wall-clock training time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -39,19 +42,28 @@ SUMMARY = RESULTS / "vs_trl_fair.json"
 DOC = ROOT / "docs" / "results" / "vs-trl-fair.md"
 README = ROOT / "README.md"
 ARMS = {"trl_best": "TRL `GRPOTrainer`", "polyrl_like_for_like": "polyrl", "polyrl_recipe": "polyrl"}
+NAMES = {**ARMS, "avx2_trl_best": ARMS["trl_best"], "avx2_polyrl_like_for_like": "polyrl"}
+FLOAT32_PATH = ("Like for like on the float32 path of a CPU without native bf16 (both sides float32, every library "
+                "capped at AVX2)")
+
+
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def run_arm(tag: str, kind: str, args: argparse.Namespace, extra: list[str]) -> dict:
-    """One vs_trl.py run of one framework under ``tag``; its summary."""
+    """One vs_trl.py run of one framework under ``tag`` (with ``--avx2``, in float32 under the AVX2 caps); its
+    summary."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "vs_trl.py"), "--only", kind, "--tag", tag, "--points", "1",
            "--minutes", str(args.minutes), "--eval-n", str(args.eval_n),
            "--out", str(RESULTS / "vs_trl_runs" / tag), *extra]
-    subprocess.run(cmd, check=True)
+    if args.avx2:
+        cmd.append("--trl-fp32" if kind == "trl" else "--polyrl-fp32")
+    subprocess.run(cmd, check=True, env={**os.environ, **(AVX2_CAPS if args.avx2 else {})})
     written = RESULTS / f"vs_trl_{tag}.json"  # kept whole in the summary instead of one file per arm
     result = json.loads(written.read_text())
     written.unlink()
-    return {**result["frameworks"][kind], "accuracy_before": result["accuracy_before"], "flags": extra,
-            "machine": label(machine())}
+    return {**result["frameworks"][kind], "accuracy_before": result["accuracy_before"], "flags": cmd[2:],
+            "machine": label(machine()), "caps": AVX2_CAPS if args.avx2 else {}}
 
 
 def trl_decay_steps(args: argparse.Namespace, summary: dict) -> int:
@@ -86,7 +98,10 @@ def table(summary: dict) -> str:
         lines.append(f"| {lr} | {r['steps']} | {r['median_step_s']:.2f} s | {100 * r['final_accuracy']:.1f} % |")
     for title, arms in (("Like for like (TRL's algorithm settings on both sides, TRL's best rate)",
                          ("trl_best", "polyrl_like_for_like")),
-                        ("Each at its best", ("trl_best", "polyrl_recipe"))):
+                        ("Each at its best", ("trl_best", "polyrl_recipe")),
+                        (FLOAT32_PATH, ("avx2_trl_best", "avx2_polyrl_like_for_like"))):
+        if not any(summary.get(arm) for arm in arms):
+            continue
         lines += ["", title + ":", "", "| | seeds | median step | held-out accuracy per seed | median |",
                   "| --- | --- | --- | --- | --- |"]
         for arm in arms:
@@ -110,7 +125,7 @@ def readme_tables(summary: dict) -> str:
         steps = statistics.median(r["steps"] for r in runs.values())
         minutes = statistics.median(r["snapshots"][-1]["train_time_s"] / 60 for r in runs.values())
         faster = f" (**{trl_step / step:.1f}x** shorter)" if trl_step else ""
-        return (f"| {ARMS[arm]} | {step:.2f} s{faster} | {steps:.0f} in {minutes:.1f} min | "
+        return (f"| {NAMES[arm]} | {step:.2f} s{faster} | {steps:.0f} in {minutes:.1f} min | "
                 f"{' / '.join(f'{a:.1f} %' for a in accs)} | **{statistics.median(accs):.1f} %** |")
 
     if not all(summary.get(arm) for arm in ARMS):
@@ -121,7 +136,7 @@ def readme_tables(summary: dict) -> str:
             "| --- | --- | --- | --- | --- |"]
     wrap = partial(textwrap.fill, width=115, break_on_hyphens=False)
     trl_steps = statistics.median(r["steps"] for r in summary["trl_best"].values())
-    return "\n".join([
+    lines = [
         wrap("Like for like: TRL's algorithm settings on both sides (one sampling round, no guidance, clip 0.2 "
              f"both ways, Adam's default betas) at TRL's best learning rate, {best_trl_lr(summary):g}:"), "", *head,
         row("trl_best", None), row("polyrl_like_for_like", trl_step), "",
@@ -131,7 +146,12 @@ def readme_tables(summary: dict) -> str:
         wrap(f"{len(summary['trl_best'])} seeds per arm, a budget of {summary.get('minutes', 7.5):g} minutes of "
              f"training each (TRL's schedule ends at step {trl_steps:.0f}, polyrl's at 90); held-out accuracy before "
              f"training {100 * next(iter(summary['trl_best'].values()))['accuracy_before']:.1f} %. "
-             f"Machine: {'; '.join(machines)}, no GPU.")])
+             f"Machine: {'; '.join(machines)}, no GPU.")]
+    if summary.get("avx2_trl_best") and summary.get("avx2_polyrl_like_for_like"):
+        f32_trl_step = statistics.median(r["median_step_s"] for r in summary["avx2_trl_best"].values())
+        lines += ["", wrap(f"{FLOAT32_PATH}, {len(summary['avx2_trl_best'])} seed(s), the same rate:"), "", *head,
+                  row("avx2_trl_best", None), row("avx2_polyrl_like_for_like", f32_trl_step)]
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -143,10 +163,13 @@ def main() -> None:
     p.add_argument("--eval-n", type=int, default=200)
     p.add_argument("--trl-decay-steps", type=int, default=None)
     p.add_argument("--fp32", action="store_true", help="TRL in float32 (a CPU without native bf16)")
+    p.add_argument("--avx2", action="store_true", help="the like-for-like arms in float32 under the AVX2 caps")
     args = p.parse_args()
     summary = json.loads(SUMMARY.read_text()) if SUMMARY.exists() else {}
     summary["minutes"] = args.minutes
     decay_steps = trl_decay_steps(args, summary)  # once per part: every arm of it decays alike
+    if args.avx2 and not args.trl_decay_steps:
+        raise SystemExit("--avx2: give --trl-decay-steps (the steps TRL takes in the budget on the float32 path)")
     if args.part == "sweep":
         for lr in args.lrs:
             run = run_arm(f"fair-trl-lr{lr}-s0", "trl", args, trl_flags(args, decay_steps, lr, 0))
@@ -159,6 +182,8 @@ def main() -> None:
             arms = {"trl_best": ("trl", trl_flags(args, decay_steps, lr, seed)),
                     "polyrl_recipe": ("polyrl", ["--seed", str(seed)]),
                     "polyrl_like_for_like": ("polyrl", like)}
+            if args.avx2:  # the float32 path: like for like only, under names of its own
+                arms = {f"avx2_{arm}": arms[arm] for arm in ("trl_best", "polyrl_like_for_like")}
             for arm, (kind, flags) in arms.items():
                 summary.setdefault(arm, {})[str(seed)] = run_arm(f"fair-{arm}-s{seed}", kind, args, flags)
                 SUMMARY.write_text(json.dumps(summary, indent=2))
