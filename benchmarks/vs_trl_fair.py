@@ -45,8 +45,6 @@ ARMS = {"trl_best": "TRL `GRPOTrainer`", "polyrl_like_for_like": "polyrl", "poly
 NAMES = {**ARMS, "avx2_trl_best": ARMS["trl_best"], "avx2_polyrl_like_for_like": "polyrl"}
 FLOAT32_PATH = ("Like for like on the float32 path of a CPU without native bf16 (both sides float32, every library "
                 "capped at AVX2)")
-
-
 AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
