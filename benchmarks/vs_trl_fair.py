@@ -147,7 +147,8 @@ def readme_tables(summary: dict) -> str:
              f"Machine: {'; '.join(machines)}, no GPU.")]
     if summary.get("avx2_trl_best") and summary.get("avx2_polyrl_like_for_like"):
         f32_trl_step = statistics.median(r["median_step_s"] for r in summary["avx2_trl_best"].values())
-        lines += ["", wrap(f"{FLOAT32_PATH}, {len(summary['avx2_trl_best'])} seed(s), the same rate:"), "", *head,
+        seeds = len(summary["avx2_trl_best"])
+        lines += ["", wrap(f"{FLOAT32_PATH}, the same rate, {seeds} seed{'s' if seeds > 1 else ''} so far:"), "", *head,
                   row("avx2_trl_best", None), row("avx2_polyrl_like_for_like", f32_trl_step)]
     return "\n".join(lines)
 
