@@ -148,7 +148,7 @@ def readme_tables(summary: dict) -> str:
     if summary.get("avx2_trl_best") and summary.get("avx2_polyrl_like_for_like"):
         f32_trl_step = statistics.median(r["median_step_s"] for r in summary["avx2_trl_best"].values())
         seeds = len(summary["avx2_trl_best"])
-        lines += ["", wrap(f"{FLOAT32_PATH}, the same rate, {seeds} seed{'s' if seeds > 1 else ''} so far:"), "", *head,
+        lines += ["", wrap(f"{FLOAT32_PATH}, the same rate, {seeds} seed{'s' if seeds > 1 else ''}:"), "", *head,
                   row("avx2_trl_best", None), row("avx2_polyrl_like_for_like", f32_trl_step)]
     return "\n".join(lines)
 
