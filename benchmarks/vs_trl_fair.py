@@ -89,6 +89,12 @@ def best_trl_lr(summary: dict) -> float:
     return float(max(sweep, key=lambda lr: sweep[lr]["final_accuracy"]))
 
 
+def seeded(runs: dict) -> tuple[list[float], float]:
+    """An arm's held-out accuracy per seed (percent, in seed order) and its median step over the seeds."""
+    return ([100 * runs[s]["final_accuracy"] for s in sorted(runs)],
+            statistics.median(r["median_step_s"] for r in runs.values()))
+
+
 def table(summary: dict) -> str:
     lines = [f"TRL's learning-rate sweep (seed 0, {summary.get('minutes', '?')} minutes of training each):", "",
              "| lr | steps | median step | held-out accuracy |", "| --- | --- | --- | --- |"]
@@ -106,8 +112,7 @@ def table(summary: dict) -> str:
             runs = summary.get(arm, {})
             if not runs:
                 continue
-            accs = [100 * runs[s]["final_accuracy"] for s in sorted(runs)]
-            step = statistics.median(runs[s]["median_step_s"] for s in runs)
+            accs, step = seeded(runs)
             lines.append(f"| {arm} | {len(runs)} | {step:.2f} s | {' / '.join(f'{a:.1f} %' for a in accs)} | "
                          f"{statistics.median(accs):.1f} % |")
     return "\n".join(lines)
@@ -118,8 +123,7 @@ def readme_tables(summary: dict) -> str:
     the median step of each polyrl arm as a multiple of TRL's."""
     def row(arm: str, trl_step: float | None) -> str:
         runs = summary[arm]
-        accs = [100 * runs[s]["final_accuracy"] for s in sorted(runs)]
-        step = statistics.median(r["median_step_s"] for r in runs.values())
+        accs, step = seeded(runs)
         steps = statistics.median(r["steps"] for r in runs.values())
         minutes = statistics.median(r["snapshots"][-1]["train_time_s"] / 60 for r in runs.values())
         faster = f" (**{trl_step / step:.1f}x** shorter)" if trl_step else ""
@@ -128,7 +132,7 @@ def readme_tables(summary: dict) -> str:
 
     if not all(summary.get(arm) for arm in ARMS):
         return "(the seeded arms have not run yet: `python benchmarks/vs_trl_fair.py seeds`)"
-    trl_step = statistics.median(r["median_step_s"] for r in summary["trl_best"].values())
+    trl_step = seeded(summary["trl_best"])[1]
     machines = sorted({r.get("machine", "?") for arm in ARMS for r in summary[arm].values()})
     head = ["| | median step | steps, training time | held-out accuracy per seed | median |",
             "| --- | --- | --- | --- | --- |"]
@@ -146,7 +150,7 @@ def readme_tables(summary: dict) -> str:
              f"training {100 * next(iter(summary['trl_best'].values()))['accuracy_before']:.1f} %. "
              f"Machine: {'; '.join(machines)}, no GPU.")]
     if summary.get("avx2_trl_best") and summary.get("avx2_polyrl_like_for_like"):
-        f32_trl_step = statistics.median(r["median_step_s"] for r in summary["avx2_trl_best"].values())
+        f32_trl_step = seeded(summary["avx2_trl_best"])[1]
         seeds = len(summary["avx2_trl_best"])
         lines += ["", wrap(f"{FLOAT32_PATH}, the same rate, {seeds} seed{'s' if seeds > 1 else ''}:"), "", *head,
                   row("avx2_trl_best", None), row("avx2_polyrl_like_for_like", f32_trl_step)]
