@@ -114,12 +114,13 @@ def check_names(config: Config) -> None:
     """Every registered name in ``config`` exists and its keyword arguments fit; a one-line ValueError naming
     the key otherwise."""
     check_extras(config)
-    check_algorithm(config.algorithm)
+    check_algorithm(config.algorithm, config.rollout.group_size)
     for i, stage in enumerate(config.stages):
-        if stage.algorithm:  # the structure was validated with the config; here the names it picks
+        if stage.algorithm or "group_size" in stage.rollout:  # the structure was validated with the config
             try:
                 merged = merge_algorithm(config.algorithm.model_dump(), stage.algorithm)
-                check_algorithm(AlgorithmConfig.model_validate(merged))
+                group_size = stage.rollout.get("group_size", config.rollout.group_size)
+                check_algorithm(AlgorithmConfig.model_validate(merged), group_size)
             except ValueError as exc:
                 raise ValueError(f"stages.{i}.algorithm: {exc}") from None
     for i, task in enumerate(config.tasks):

@@ -105,8 +105,9 @@ def test_gdpo_reads_the_trajectories_reward_components():
 
 
 def test_every_estimator_keeps_shape_and_dtype():
+    required = {"pass_at_k": {"k": 2}}  # keywords without a default
     for name in ADVANTAGES.names():
-        out = ADVANTAGES[name](R, ONE_GROUP)
+        out = ADVANTAGES[name](R, ONE_GROUP, **required.get(name, {}))
         assert out.shape == R.shape and out.dtype == R.dtype, name
         assert torch.isfinite(out).all(), name
 

@@ -154,3 +154,50 @@ def gdpo_advantages(
         total += w[k] * (r[:, k] - mean) / (std + eps)
     out = _batch_whiten(total, eps) if batch_norm else total
     return out.to(rewards.dtype)
+
+
+def _all_fail_chance(m: torch.Tensor, c: torch.Tensor, j: torch.Tensor, k_max: int) -> torch.Tensor:
+    """C(m - c, j) / C(m, j), element-wise: the chance that j of m samples, c of them successes, drawn without
+    replacement are all failures, as prod_{i < j} (m - c - i) / (m - i) (0 once m - c < j; 1 for j = 0).
+    ``j`` <= ``m`` and ``j`` <= ``k_max``."""
+    i = torch.arange(k_max, dtype=torch.float64)
+    factors = (m[:, None] - c[:, None] - i).clamp(min=0) / (m[:, None] - i).clamp(min=1)
+    return torch.where(i < j[:, None], factors, torch.ones_like(factors)).prod(dim=1)
+
+
+@ADVANTAGES.register("pass_at_k")
+def pass_at_k_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, k: int, success_score: float = 1.0
+) -> torch.Tensor:
+    """Pass@k Training (Chen et al. 2025, "Pass@k Training for Adaptively Balancing Exploration and
+    Exploitation of Large Reasoning Models", arXiv 2508.10751, the analytical advantage): each sample's
+    advantage for the pass@k reward, which a k-subset of the group earns when any of its samples succeeds.
+    GRPO's pass@1 reward pushes toward the one answer the policy already finds; pass@k pays a group for having
+    a success anywhere among k tries, so a rare success is worth more and a failure beside it costs less,
+    which keeps the policy exploring.
+
+    Derivation, for a group of n samples with c successes (a success: reward >= ``success_score``, the
+    threshold the rest of polyrl uses; binary rewards pass through unchanged). Of its C(n, k) k-subsets,
+    C(n - c, k) hold no success, so the group's pass@k is R = 1 - C(n - c, k) / C(n, k), and as a subset's
+    reward is 0 or 1 its std over the subsets is s = sqrt(R (1 - R)). A sample's advantage is the mean reward
+    of the C(n - 1, k - 1) subsets that contain it, minus R, over s:
+
+    - a success: every subset containing it earns 1, so A+ = (1 - R) / s;
+    - a failure: its subsets earn 0 when their other k - 1 samples, drawn from the other n - 1, all fail,
+      so A- = (1 - C(n - c - 1, k - 1) / C(n - 1, k - 1) - R) / s.
+
+    At k = 1 these are (1 - p) / s and -p / s with p = c / n and s the population std of the binary rewards:
+    GRPO's mean-centred, std-normalised advantage. A group with s = 0 (all fail, or so few failures that
+    every k-subset holds a success, n - c < k) has advantage 0. A group smaller than k (a dropped episode) is
+    scored at k = n. ``k`` is refused at config load outside 1 <= k <= rollout.group_size.
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"pass_at_k needs a whole number k >= 1, got {k!r}")
+    success = rewards.double() >= success_score
+    rate, _, n = _group_stats(success.double(), group_ids)
+    c, kk = torch.round(rate * n), n.clamp(max=k)
+    fail_all = _all_fail_chance(n, c, kk, k)  # C(n - c, k) / C(n, k) = 1 - R
+    fail_others = _all_fail_chance(n - 1, c, kk - 1, k)  # C(n - c - 1, k - 1) / C(n - 1, k - 1)
+    std = torch.sqrt(fail_all * (1 - fail_all))
+    scored = torch.where(success, fail_all, fail_all - fail_others) / std.clamp(min=1e-300)
+    return torch.where(std > 0, scored, torch.zeros_like(scored)).to(rewards.dtype)

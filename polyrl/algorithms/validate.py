@@ -71,10 +71,12 @@ def _probe(
         raise ValueError(f"{key}: {what} rejected {kwargs}: {detail}") from None
 
 
-def check_algorithm(algo: Any) -> None:
-    """Validate an ``AlgorithmConfig``; raise ValueError with a one-line message naming the key."""
+def check_algorithm(algo: Any, group_size: int | None = None) -> None:
+    """Validate an ``AlgorithmConfig`` (for groups of ``group_size`` samples, when known); raise ValueError with
+    a one-line message naming the key."""
     adv, loss = algo.advantage, algo.loss
     ADVANTAGES.check(adv.estimator, key="algorithm.advantage")
+    check_pass_at_k(adv.estimator, adv.kwargs, group_size)
     LOSSES.check(loss.name, key="algorithm.loss")
     adv_fn, loss_fn = ADVANTAGES[adv.estimator], LOSSES[loss.name]
     adv_what, loss_what = f"advantage estimator '{adv.estimator}'", f"policy loss '{loss.name}'"
@@ -93,6 +95,18 @@ def check_algorithm(algo: Any) -> None:
     )
     _probe(loss_fn, (inputs,), {}, loss.kwargs, "algorithm.loss.kwargs", loss_what)
     check_correction(algo)
+
+
+def check_pass_at_k(estimator: str, kwargs: dict[str, Any], group_size: int | None) -> None:
+    """pass_at_k's ``k`` is a whole number from 1 to the group size: a group of n samples has no k-subsets for
+    k > n, so pass@k above n is not estimated from it (``advantages.pass_at_k_advantages``)."""
+    if estimator != "pass_at_k":
+        return
+    k = kwargs.get("k")
+    top = f"rollout.group_size ({group_size})" if group_size is not None else "the group size"
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or (group_size is not None and k > group_size):
+        raise ValueError(f"algorithm.advantage.kwargs.k: pass_at_k needs a whole number 1 <= k <= {top}, "
+                         f"got {k!r}")
 
 
 def check_correction(algo: Any) -> None:

@@ -30,10 +30,12 @@ class AdvantageConfig(_Strict):
 
     estimator: str = "grpo"
     """Advantage estimator: grpo, dr_grpo, rloo, reinforce_pp, reinforce_pp_baseline, maxrl (group mean as the
-    scale), gdpo (each reward component normalised in its group, then summed), or one registered with
-    ``@ADVANTAGES.register``. Not used with a ``critic``, whose values give the advantages (GAE)."""
+    scale), gdpo (each reward component normalised in its group, then summed), pass_at_k (the analytical
+    pass@k advantage; ``kwargs: {k: 4}``), or one registered with ``@ADVANTAGES.register``. Not used with a
+    ``critic``, whose values give the advantages (GAE)."""
     kwargs: dict[str, Any] = {}
-    """Extra keyword arguments for the estimator, e.g. ``{eps: 1.0e-6}`` for grpo."""
+    """Extra keyword arguments for the estimator, e.g. ``{eps: 1.0e-6}`` for grpo; pass_at_k needs ``k`` (1 to
+    rollout.group_size) and takes ``success_score`` (1.0: a reward at or above it is a success)."""
     task_norm: bool = False
     """AgentRL task-advantage normalisation: after the estimator, normalise advantages to mean 0 and std 1
     within each task of the batch, so tasks with larger reward spreads do not dominate the update."""
