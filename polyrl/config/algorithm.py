@@ -107,10 +107,27 @@ class RegularisersConfig(_Strict):
     track_kl: bool = True
     """Measure KL to the reference even when kl_coef is 0 (one extra no-grad forward per step)."""
     entropy_coef: float = 0.0
-    """Entropy bonus weight (positive rewards higher entropy)."""
+    """Entropy bonus weight (positive rewards higher entropy); with ``entropy_target``, its starting value."""
+    entropy_target: float | None = Field(None, ge=0)
+    """Hold the policy's entropy at this many nats per token (Skywork-OR1's adaptive entropy control): after
+    each step the entropy coefficient moves up by ``entropy_coef_step`` when the step's token-mean entropy was
+    below it, down (not below 0) when above; null keeps ``entropy_coef`` fixed."""
+    entropy_coef_step: float = Field(0.005, gt=0)
+    """With ``entropy_target``, how far the entropy coefficient moves after each step."""
+    entropy_coef_max: float = Field(0.05, ge=0)
+    """With ``entropy_target``, the highest the entropy coefficient goes (a policy whose entropy cannot be
+    raised must not get an ever larger bonus)."""
     distill_coef: float = Field(0.0, ge=0)
     """Weight of the per-token reverse KL to each task's teacher (tasks[].teacher, docs/multidomain.md);
     0 is off."""
+
+    @model_validator(mode="after")
+    def _check_entropy_control(self) -> RegularisersConfig:
+        if self.entropy_target is not None and not 0 <= self.entropy_coef <= self.entropy_coef_max:
+            raise ValueError(f"algorithm.regularisers.entropy_coef: with entropy_target it is the starting "
+                             f"coefficient, between 0 and entropy_coef_max ({self.entropy_coef_max}); got "
+                             f"{self.entropy_coef}")
+        return self
 
 
 class CriticConfig(_Strict):

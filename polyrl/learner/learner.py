@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from polyrl.algorithms.entropy_control import adaptive_entropy_coef
 from polyrl.algorithms.gae import ValueHead
 from polyrl.algorithms.losses import ADVANTAGE_WEIGHTED, LOSSES
 from polyrl.algorithms.mismatch import mismatch_sums
@@ -99,6 +100,8 @@ class Learner:
         self.device = next(model.parameters()).device
         self.is_lora = hasattr(model, "disable_adapter")
         self.wants_reference = algo.regularisers.kl_coef > 0 or algo.regularisers.track_kl
+        # The entropy bonus's weight: regularisers.entropy_coef, moved each step under entropy_target.
+        self.entropy_coef = algo.regularisers.entropy_coef
         self.anchor_topk = anchor_topk_size(LOSSES[algo.loss.name], algo.loss.kwargs)
         # The KL reference: with LoRA, the same weights with adapters off; otherwise a frozen copy.
         self.ref_model = None
@@ -136,11 +139,24 @@ class Learner:
                 module.share_prefix = value
 
     def state_dict(self) -> dict:
-        """What a checkpoint needs besides the policy weights: optimizer, scheduler and the critic, if any."""
+        """What a checkpoint needs besides the policy weights: optimizer, scheduler, the critic, if any, and
+        the learner's own small state (``own_state``)."""
         state = optimizer_state(self.optimizer, self.scheduler)
         if self.value_head is not None:
             state["value_head"] = self.value_head.state_dict()
-        return state
+        return {**state, **self.own_state()}
+
+    def own_state(self) -> dict[str, float]:
+        """The learner's state that is neither weights nor optimizer: the entropy coefficient when
+        ``regularisers.entropy_target`` moves it (empty otherwise). Plain numbers, so a sharded checkpoint
+        keeps them in its JSON trainer state."""
+        return {"entropy_coef": self.entropy_coef} if self.algo.regularisers.entropy_target is not None else {}
+
+    def load_own_state(self, state: dict) -> None:
+        """Restore ``own_state``. A checkpoint of a run without ``entropy_target`` starts the coefficient at
+        ``regularisers.entropy_coef``; a run without it keeps that fixed value whatever was saved."""
+        if self.algo.regularisers.entropy_target is not None and "entropy_coef" in state:
+            self.entropy_coef = float(state["entropy_coef"])
 
     def load_state_dict(self, state: dict) -> None:
         if (self.value_head is not None) != ("value_head" in state):
@@ -149,6 +165,7 @@ class Learner:
         load_optimizer_state(self.optimizer, self.scheduler, state)
         if self.value_head is not None:
             self.value_head.load_state_dict(state["value_head"])
+        self.load_own_state(state)
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: Batch) -> torch.Tensor:
@@ -192,7 +209,19 @@ class Learner:
                 self._passes(plan, metrics, epoch)
             self._optimizer_step(metrics)
         schedule_step(self.scheduler)
-        return metrics.result(self.ranks, task_metrics, self.scheduler.get_last_lr()[0])
+        return self._control_entropy(metrics.result(self.ranks, task_metrics, self.scheduler.get_last_lr()[0]))
+
+    def _control_entropy(self, metrics: dict[str, float | None]) -> dict[str, float | None]:
+        """Under ``regularisers.entropy_target``, move the entropy coefficient by this update's token-mean
+        entropy (the same on every rank: merged over them) for the next one; ``entropy_control/coef`` is the
+        coefficient this update's loss used."""
+        reg = self.algo.regularisers
+        if reg.entropy_target is None:
+            return metrics
+        used = self.entropy_coef
+        self.entropy_coef = adaptive_entropy_coef(used, metrics.get("entropy_control/entropy"), reg.entropy_target,
+                                                  reg.entropy_coef_step, reg.entropy_coef_max)
+        return {**metrics, "entropy_control/coef": used}
 
     def _plan(self, trajectories: list[Trajectory], batch: Batch) -> _Plan:
         """This rank's micro-batches of the sorted batch, with what every pass over them reads: the rewards,
@@ -236,7 +265,7 @@ class Learner:
             # token-mean shares the global token count; the seq-mean modes weight by sequences.
             share = 1.0 if algo.loss.agg == "token-mean" else mb.targets.shape[0] / plan.n_rows
             share *= plan.real[k]
-            logp, entropy, values, logits = self._forward(mb, entropy_grad=algo.regularisers.entropy_coef != 0)
+            logp, entropy, values, logits = self._forward(mb, entropy_grad=self.entropy_coef != 0)
             old_logp, old_values = plan.old[k] if plan.old is not None else (logp.detach(), detach(values))
             ref_logp = plan.ref[k] if plan.ref is not None else None
             anchor_topk = None
@@ -250,7 +279,7 @@ class Learner:
                 add_sums(metrics.mismatch, mismatch_sums(old_logp, mb.behaviour_logp, own, band))
             teacher_logits, teacher_rows = self._teacher_logits(mb, logits, [plan.tasks[i] for i in c.tolist()])
             x = LossInputs(mb, logp, entropy, values, logits, ref_logp, old_values, advantages, teacher_logits,
-                           teacher_rows, plan.num_tokens, share, anchor_topk, self.shaping_gamma)
+                           teacher_rows, plan.num_tokens, share, anchor_topk, self.shaping_gamma, self.entropy_coef)
             terms = [term(algo, x) for term in LOSS_TERMS]
             loss = sum(t.loss for t in terms if t.loss is not None)  # policy + entropy + distill + KL + value
             loss.backward()
@@ -299,11 +328,12 @@ class Learner:
         """True when the loss is 0 whatever the weights: every advantage is 0 (e.g. dynamic sampling found no
         group whose rewards differ), the loss weights each token by its advantage, and no other term is on
         (entropy bonus, KL in the loss or the reward, KL tracking, critic, distillation). GRPO-style runs
-        reach this often late in training, when every group agrees."""
+        reach this often late in training, when every group agrees. Holding the entropy at a target
+        (``entropy_target``) needs it measured every step, so such runs always take the passes."""
         algo = self.algo
         return (
             algo.loss.name in ADVANTAGE_WEIGHTED and not bool(batch.advantages.any())
-            and algo.regularisers.entropy_coef == 0
+            and self.entropy_coef == 0 and algo.regularisers.entropy_target is None
             and not self.wants_reference and self.value_head is None
             and not (self.teachers and algo.regularisers.distill_coef > 0)
         )

@@ -49,6 +49,9 @@ class LossInputs:
     """([B, T, K] ids, [B, T, K] log-probs) of the policy at the update's start, when the loss reads them."""
     shaping_gamma: float | None = None
     """LUFFY's policy-shaping gamma for reference tokens (``guidance.shaping_gamma``); None: no shaping."""
+    entropy_coef: float | None = None
+    """The entropy bonus's weight this step: the learner's, which ``regularisers.entropy_target`` moves; None:
+    ``regularisers.entropy_coef``."""
 
 
 class Term(NamedTuple):
@@ -85,10 +88,18 @@ def guidance_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
 
 
 def entropy_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
-    """The entropy bonus: -``regularisers.entropy_coef`` x the aggregated token entropy (logged whatever the
-    weight)."""
+    """The entropy bonus: -coefficient x the aggregated token entropy (logged whatever the weight). The
+    coefficient is ``regularisers.entropy_coef``, or the learner's current one (``x.entropy_coef``) under
+    ``regularisers.entropy_target``, whose controller reads the token-mean entropy, in nats per token whatever
+    ``loss.agg`` is: ``entropy_control/entropy``, this micro-batch's share of the whole batch's."""
+    reg = algo.regularisers
+    coef = reg.entropy_coef if x.entropy_coef is None else x.entropy_coef
     ent = aggregate(x.entropy, x.mb.loss_mask, algo.loss.agg, x.num_tokens) * x.share
-    return Term(-(algo.regularisers.entropy_coef * ent), {"entropy": float(ent.detach())}, {})
+    logged = {"entropy": float(ent.detach())}
+    if reg.entropy_target is not None:
+        token_mean = aggregate(x.entropy.detach(), x.mb.loss_mask, "token-mean", x.num_tokens)
+        logged["entropy_control/entropy"] = float(token_mean)
+    return Term(-(coef * ent), logged, {})
 
 
 def distill_term(algo: AlgorithmConfig, x: LossInputs) -> Term:

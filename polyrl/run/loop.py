@@ -142,7 +142,7 @@ def _save(run: Run, step: int, state: dict[str, Any]) -> None:
         save_checkpoint(run.run_dir, step, run.model, run.tokenizer, run.learner.state_dict(), state, keep=keep)
         return
     learner = run.learner
-    extra = {"step": step, **state, "learner": {"scheduler": learner.scheduler.state_dict()}}
+    extra = {"step": step, **state, "learner": {"scheduler": learner.scheduler.state_dict(), **learner.own_state()}}
     save_sharded(run.run_dir / "checkpoints" / f"step-{step}", learner.policy_pass, learner.optimizer, extra,
                  tokenizer=run.tokenizer, keep=keep)
 
@@ -153,6 +153,7 @@ def _restore(run: Run, ckpt: Path) -> dict[str, Any]:
     if is_sharded(ckpt):
         state = load_sharded(ckpt, learner.policy_pass, learner.optimizer)
         learner.scheduler.load_state_dict(state["learner"]["scheduler"])
+        learner.load_own_state(state["learner"])
         if run.engine_model is not run.model:
             gather_into(run.model, run.engine_model, trainable_only=learner.is_lora)
     elif run.plan.ranks.distributed:
