@@ -177,7 +177,8 @@ def pass_at_k_advantages(
     which keeps the policy exploring.
 
     Derivation, for a group of n samples with c successes (a success: reward >= ``success_score``, the
-    threshold the rest of polyrl uses; binary rewards pass through unchanged). Of its C(n, k) k-subsets,
+    threshold the rest of polyrl uses, on the training reward, so a penalty or a monitor's zeroing unmakes a
+    success; binary rewards pass through unchanged). Of its C(n, k) k-subsets,
     C(n - c, k) hold no success, so the group's pass@k is R = 1 - C(n - c, k) / C(n, k), and as a subset's
     reward is 0 or 1 its std over the subsets is s = sqrt(R (1 - R)). A sample's advantage is the mean reward
     of the C(n - 1, k - 1) subsets that contain it, minus R, over s:
