@@ -27,6 +27,9 @@ class Int8Weights:
         """The float32 [out, in] matrix these int8 rows stand for."""
         return self.q.float() * self.scale[:, None]
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.scale]
+
     def nbytes(self) -> int:
         return self.q.numel() * self.q.element_size() + self.scale.numel() * self.scale.element_size()
 
@@ -44,10 +47,11 @@ def quantise_int8(weight: torch.Tensor) -> Int8Weights:
     return Int8Weights(q, scale.contiguous())
 
 
-def tensors_of(weights: torch.Tensor | list[torch.Tensor] | Int8Weights | None) -> list[torch.Tensor]:
-    """The tensors a matmul's weights hold (none for None), to count their bytes."""
+def tensors_of(weights) -> list[torch.Tensor]:
+    """The tensors a matmul's weights hold (none for None), to count their bytes: a tensor, a list of them, or
+    packed weights that list their own (``tensors()``)."""
     if weights is None:
         return []
-    if isinstance(weights, Int8Weights):
-        return [weights.q, weights.scale]
+    if hasattr(weights, "tensors"):
+        return weights.tensors()
     return list(weights) if isinstance(weights, list) else [weights]

@@ -5,8 +5,9 @@ transformers' layer stack builds masks, dispatches through attention interfaces 
 q, k, v and gate, up as separate matmuls. This module runs the same computation with fewer, larger operations:
 
 - q, k, v are one matmul and gate, up another, on fused copies of the weights (LoRA deltas merged in);
-- in bfloat16 those copies are prepacked into oneDNN's blocked layout, which at 16 rows runs the matmuls
-  about 1.6x faster than ``F.linear`` on the plain layout (same results);
+- in bfloat16 those copies are prepacked once (``bf16_matmul``: for polyrl's own AVX512-BF16 kernel, else in
+  oneDNN's blocked layout), which at decode's row counts runs the matmuls well above ``F.linear`` on the plain
+  layout;
 - rotary embedding is applied to q and k together, once per layer, with cos/sin computed once per step;
 - keys and values live in ``decode_kv.KVBuffers``, whole buffers kept close to their length, and decode
   attention is two batched matmuls over them (faster than SDPA at these shapes; see that module);
@@ -35,30 +36,18 @@ import torch
 import torch.nn.functional as F
 
 from polyrl.engines import native
+from polyrl.engines.bf16_matmul import (
+    NativeBf16Weights,
+    native_bf16_linear_available,
+    pack,
+    packed_linear,
+    packing_available,
+)
 from polyrl.engines.decode_kv import KVBuffers, PromptSharedKV
 from polyrl.engines.int8 import Int8Weights, quantise_int8, tensors_of
 from polyrl.models.device import native_bf16
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
-PACK_ROWS_HINT = 16  # oneDNN picks its blocking for this many rows; any row count still works
-
-
-def packing_available() -> bool:
-    """True when this torch build can prepack bfloat16 linear weights for oneDNN (x86 CPUs with AVX-512)."""
-    try:
-        return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 ``[out, in]`` weight in oneDNN's blocked layout, for ``packed_linear``."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-
-
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` on a prepacked weight (the op torch.compile emits for CPU linears); ``x`` is 2-D."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def blocked_topk(x: torch.Tensor, k: int, block: int = 64) -> torch.Tensor:
@@ -134,7 +123,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
 
 
-Weights = torch.Tensor | list[torch.Tensor] | Int8Weights
+Weights = torch.Tensor | list[torch.Tensor] | Int8Weights | NativeBf16Weights
 """A matmul's weight: one (fused, maybe prepacked) tensor, or for the native float32 ``linear`` the list of
 [out, in] matrices whose outputs it concatenates, or int8 rows with their scales."""
 
@@ -207,6 +196,7 @@ class LlamaDecoder:
         self.exact_top = exact_top if self.weight_dtype != torch.float32 else 0
         self.shares_weights = native_f32 and self.weight_dtype == torch.float32 and float32_weights(policy)
         self.packed = dtype == torch.bfloat16 and packing_available()
+        self.native_bf16 = self.packed and self.native and native_bf16_linear_available()
         self.linear = native_linear if native_f32 else packed_linear if self.packed else F.linear
         self.policy_storages = {p.untyped_storage().data_ptr() for p in policy.parameters()}  # for nbytes
         self.dtype = dtype
@@ -221,6 +211,7 @@ class LlamaDecoder:
         self.tied = policy.get_input_embeddings().weight is policy.get_output_embeddings().weight
         self.embed = None if self.tied else self._copy(policy.get_input_embeddings().weight)
         self.layers = [self._fuse(layer) for layer in decoder.layers]
+        self._stack: tuple | None = None  # the layers as the native decode_stack takes them (_stack_weights)
         self.final_norm = decoder.norm.weight.detach().to(dtype).clone()
         self.head_low = self._matmul_weight(head_weight) if self.exact_top else None
 
@@ -235,7 +226,7 @@ class LlamaDecoder:
         if self.weight_dtype == torch.int8:
             return quantise_int8(weight)
         weight = weight.to(self.weight_dtype, copy=True)
-        return pack(weight) if self.packed else weight
+        return pack(weight, self.native_bf16) if self.packed else weight
 
     def _matmul_weights(self, *weights: torch.Tensor) -> Weights:
         """The matrices of one matmul whose outputs are concatenated: as they are (shared weights), or fused."""
@@ -262,6 +253,7 @@ class LlamaDecoder:
         """Take ``policy``'s current weights (LoRA merged), one layer at a time so memory peaks at one layer."""
         decoder = policy.get_decoder()
         self.policy_storages = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+        self._stack = None
         for i, layer in enumerate(decoder.layers):
             self.layers[i] = self._fuse(layer)
         self.final_norm.copy_(decoder.norm.weight)
@@ -274,7 +266,7 @@ class LlamaDecoder:
         """Drop the weight copies ``refresh`` rebuilds (the fused layers and the low-precision head) until it
         runs again; decoding in between is an error."""
         self.layers = [None] * len(self.layers)
-        self.head_low = None
+        self.head_low = self._stack = None
 
     def nbytes(self) -> int:
         """Bytes of the weights this decoder holds beyond the caller's float32 head (shared weights, the
@@ -381,6 +373,19 @@ class LlamaDecoder:
         kv.length = t + 1
         return self._head(x)
 
+    def _stack_weights(self) -> tuple:
+        """The layers' norms and packed matmuls as the native ``decode_stack`` takes them, built once per
+        ``refresh``."""
+        if self._stack is None:
+            ls = self.layers
+            self._stack = (
+                [a.in_norm for a in ls], [a.post_norm for a in ls], self.final_norm, [a.qkv.blocks for a in ls],
+                [a.qkv_bias for a in ls] if ls[0].qkv_bias is not None else [], [a.o.blocks for a in ls],
+                [a.gate_up.blocks for a in ls], [a.down.blocks for a in ls],
+                [ls[0].qkv.outs, ls[0].o.outs, ls[0].gate_up.outs, ls[0].down.outs],
+            )
+        return self._stack
+
     def _decode_native(self, tokens: torch.Tensor, positions: torch.Tensor, kv: PromptSharedKV) -> torch.Tensor:
         """``decode`` with the C++ kernels: per layer four matmuls and four fused kernels (residual add with
         RMSNorm, rotary with the key/value write, attention over the shared prompt and the row's own
@@ -391,6 +396,11 @@ class LlamaDecoder:
         x = self._embed(tokens).contiguous()  # the residual stream, updated in place by add_rms_norm
         cos, sin = self._rope(x, positions[:, None])
         nh, kvh, eps, scale = self.heads, self.kv_heads, self.eps, self.head_dim**-0.5
+        if self.native_bf16:  # the same kernels in the same order, the layer loop in C++ (decode_stack.cpp)
+            h = ops.decode_stack(x, *self._stack_weights(), cos, sin, own.keys, own.values, kv.prefix_keys,
+                                 kv.prefix_values, kv.prefix_bias, kv.row_prompt, t, eps, scale, nh, kvh)
+            own.length = t + 1
+            return self._logits(h)
         h = ops.add_rms_norm(x, None, self.layers[0].in_norm, eps)
         for i, layer in enumerate(self.layers):
             qkv = self.linear(h, layer.qkv, layer.qkv_bias)
