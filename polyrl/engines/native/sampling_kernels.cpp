@@ -62,9 +62,13 @@ at::Tensor rescore_head(const at::Tensor& low, const at::Tensor& hidden, const a
         std::iota(order.begin(), order.end(), 0);
         std::nth_element(order.begin(), order.begin() + k - 1, order.end(),
                          [&](int64_t x, int64_t y) { return maxima[x] > maxima[y]; });
+        // The k block maxima are k entries at least the k-th largest of them, so no entry below it is among
+        // the k largest: only the entries of those blocks that reach it are searched (a few times k).
+        const float floor = maxima[order[k - 1]];
         cand.clear();
         for (int64_t i = 0; i < k; ++i)
-          for (int64_t j = 0; j < block; ++j) cand.push_back(order[i] * block + j);
+          for (int64_t j = order[i] * block; j < (order[i] + 1) * block; ++j)
+            if (dst[j] >= floor) cand.push_back(j);
       } else {
         for (int64_t j = 0; j < vocab; ++j) dst[j] = static_cast<float>(src[j]);
         cand.resize(vocab);
@@ -73,7 +77,16 @@ at::Tensor rescore_head(const at::Tensor& low, const at::Tensor& hidden, const a
       std::nth_element(cand.begin(), cand.begin() + k - 1, cand.end(),
                        [&](int64_t x, int64_t y) { return dst[x] > dst[y]; });
       const float* hb = hp + b * width;
+      // The chosen head rows are scattered over a float32 head far larger than the caches: each is fetched
+      // two rows ahead of its dot product, which otherwise waits on memory for every one of them.
+      auto fetch = [&](int64_t i) {
+        if (i < k)
+          for (int64_t j = 0; j < width; j += 16) __builtin_prefetch(wp + cand[i] * width + j, 0, 3);
+      };
+      fetch(0);
+      fetch(1);
       for (int64_t i = 0; i < k; ++i) {
+        fetch(i + 2);
         const float* w = wp + cand[i] * width;
         float s = 0.f;
         int64_t j = 0;
