@@ -7,6 +7,7 @@ evaluator and training-time budget), written under its own tag; this script choo
     python benchmarks/vs_trl_fair.py sweep --lrs 5e-6 1e-5 3e-5 5e-5   # TRL at each rate, seed 0 (~10 min each)
     python benchmarks/vs_trl_fair.py seeds --seeds 0 1 2                # the best TRL rate, polyrl's recipe, and
                                                                         # polyrl like for like, per seed
+                                                                        # (--arms: some of them)
     python benchmarks/vs_trl_fair.py table                              # docs/results/vs-trl-fair.md and
                                                                         # the README's two tables
 
@@ -167,6 +168,8 @@ def main() -> None:
     p.add_argument("--trl-decay-steps", type=int, default=None)
     p.add_argument("--fp32", action="store_true", help="TRL in float32 (a CPU without native bf16)")
     p.add_argument("--avx2", action="store_true", help="the like-for-like arms in float32 under the AVX2 caps")
+    p.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
+                   help="seeds: run only these arms (e.g. polyrl's again after a change of polyrl)")
     args = p.parse_args()
     summary = json.loads(SUMMARY.read_text()) if SUMMARY.exists() else {}
     summary["minutes"] = args.minutes
@@ -185,8 +188,9 @@ def main() -> None:
             arms = {"trl_best": ("trl", trl_flags(args, decay_steps, lr, seed)),
                     "polyrl_recipe": ("polyrl", ["--seed", str(seed)]),
                     "polyrl_like_for_like": ("polyrl", like)}
+            arms = {arm: arms[arm] for arm in args.arms}
             if args.avx2:  # the float32 path: like for like only, under names of its own
-                arms = {f"avx2_{arm}": arms[arm] for arm in ("trl_best", "polyrl_like_for_like")}
+                arms = {f"avx2_{arm}": arms[arm] for arm in ("trl_best", "polyrl_like_for_like") if arm in arms}
             for arm, (kind, flags) in arms.items():
                 summary.setdefault(arm, {})[str(seed)] = run_arm(f"fair-{arm}-s{seed}", kind, args, flags)
                 SUMMARY.write_text(json.dumps(summary, indent=2))

@@ -100,3 +100,41 @@ def test_the_decoder_packs_for_the_native_kernel_where_it_runs():
         b = getattr(decoder.layers[0], bias) if bias else None
         got = decoder.linear(x, getattr(decoder.layers[0], name), b)
         assert_bf16_close(got, onednn.linear(x, getattr(onednn.layers[0], name), b))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_native_layer_stack_equals_the_python_layer_loop(ops, monkeypatch, bias):
+    """``decode_stack`` runs the Python loop's kernels in its order: the same logits to the bit, through buffer
+    growth and rows that leave (q/k/v biases with ``bias``)."""
+    from test_llama_decode import qwen2_with_bias
+    from test_native_kernels import small_llama
+
+    from polyrl.engines import decode_kv
+    from polyrl.engines.llama_decode import LlamaDecoder
+
+    monkeypatch.setattr(decode_kv, "KV_CHUNK", 4)  # growth during the run
+    model = qwen2_with_bias() if bias else small_llama(64)
+    head = model.get_output_embeddings().weight.detach().float()
+    prompts = torch.randint(3, 300, (2, 6), generator=torch.Generator().manual_seed(1))
+    cont = torch.randint(3, 300, (4, 10), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(prompts)
+    mask[0, :2] = 0
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    full_mask = torch.cat([mask.repeat_interleave(2, 0), torch.ones_like(cont)], 1)
+    outputs = []
+    for stack in (True, False):
+        dec = LlamaDecoder(model, head, torch.bfloat16)
+        assert dec.native_bf16
+        dec.native_bf16 = stack  # off: the Python loop, on the same packed weights and kernels
+        _, kv = dec.prefill(prompts, mask, positions)
+        kv.batch_repeat_interleave(2)
+        rows, steps = torch.arange(4), []
+        start = positions[:, -1].repeat_interleave(2) + 1
+        for j in range(cont.shape[1]):
+            if j == 6:
+                rows = torch.tensor([0, 3])
+                kv.batch_select_indices(rows)
+            steps.append(dec.decode(cont[rows, j], full_mask[rows], start[rows] + j, kv))
+        outputs.append(steps)
+    for a, b in zip(*outputs, strict=True):
+        assert torch.equal(a, b)

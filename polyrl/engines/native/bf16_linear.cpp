@@ -103,15 +103,34 @@ void check_packable(const at::Tensor& weight) {
   check_bf16_2d(weight, "weight");
 }
 
-// A bf16 [O, I] weight packed for ``bf16_linear``: [ceil(O/16), ceil(I/2), 16, 2], zero-padded.
+// A bf16 [O, I] weight packed for ``bf16_linear``: [ceil(O/16), ceil(I/2), 16, 2], zero-padded. A block of 16
+// whole rows is the transpose of their 32-bit input pairs, as ``interleave`` lays out x: one pass, in parallel
+// (the engine packs every matrix at each weight sync).
 at::Tensor bf16_pack(const at::Tensor& weight) {
   check_packable(weight);
-  const int64_t outs = weight.size(0), in = weight.size(1);
-  auto packed = at::zeros({(outs + 15) / 16, (in + 1) / 2, 16, 2}, weight.options());
-  // packed[b, p, j, t] = weight[16 b + j, 2 p + t]: a strided view of the padded weight, copied once.
-  auto padded = at::zeros({packed.size(0) * 16, packed.size(1) * 2}, weight.options());
-  padded.narrow(0, 0, outs).narrow(1, 0, in).copy_(weight);
-  packed.copy_(padded.view({packed.size(0), 16, packed.size(1), 2}).permute({0, 2, 1, 3}));
+  const int64_t outs = weight.size(0), in = weight.size(1), pairs = (in + 1) / 2, blocks = (outs + 15) / 16;
+  auto packed = at::empty({blocks, pairs, 16, 2}, weight.options());
+#if defined(__AVX512BF16__)
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(weight.data_ptr<bf16>());
+  int32_t* dst = reinterpret_cast<int32_t*>(packed.data_ptr<bf16>());
+  const int64_t ws = weight.stride(0);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> padded;
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t rows = std::min<int64_t>(16, outs - b * 16);
+      if (rows == 16) {
+        interleave(w + b * 16 * ws, ws, in, 16, dst + b * pairs * 16);
+      } else {  // the last, partial block: its rows copied beside zero rows
+        padded.assign(16 * in, 0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const uint16_t* row = w + (b * 16 + r) * ws;
+          std::copy(row, row + in, &padded[r * in]);
+        }
+        interleave(padded.data(), in, in, 16, dst + b * pairs * 16);
+      }
+    }
+  });
+#endif
   return packed;
 }
 
