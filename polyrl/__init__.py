@@ -71,7 +71,7 @@ PUBLIC: dict[str, str] = {
     "PromptSharedKV": "polyrl.engines.decode_kv",
     "rms_norm": "polyrl.engines.llama_decode",
     "rotate_half": "polyrl.engines.llama_decode",
-    "rescore_top": "polyrl.engines.llama_decode",
+    "rescore_top": "polyrl.engines.rescored_head",
     "native_linear": "polyrl.engines.llama_decode",
     # tasks and environments
     "make_task": "polyrl.envs",

@@ -13,6 +13,7 @@ from polyrl.config import LoraConfig
 from polyrl.engines import decode_kv, llama_decode
 from polyrl.engines.hf import HFEngine
 from polyrl.engines.llama_decode import LlamaDecoder
+from polyrl.engines.rescored_head import blocked_topk
 from polyrl.models.loading import load_model, load_tokenizer
 
 PROMPTS = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]  # unequal lengths: left padding is exercised
@@ -129,7 +130,7 @@ def test_blocked_topk_finds_the_largest_entries():
     for vocab in (49152, 1000):  # blocked, and the plain-topk fallback (not a multiple of the block)
         x = torch.randn((16, vocab), generator=gen)
         x[3, :64] = 10.0  # all of one row's top entries in a single block
-        got = llama_decode.blocked_topk(x, 32)
+        got = blocked_topk(x, 32)
         assert torch.equal(got.sort(-1).values, x.topk(32, dim=-1).indices.sort(-1).values)
 
 

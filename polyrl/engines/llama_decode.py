@@ -45,33 +45,10 @@ from polyrl.engines.bf16_matmul import (
 )
 from polyrl.engines.decode_kv import KVBuffers, PromptSharedKV
 from polyrl.engines.int8 import Int8Weights, quantise_int8, tensors_of
+from polyrl.engines.rescored_head import rescore_top
 from polyrl.models.device import native_bf16
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
-
-
-def blocked_topk(x: torch.Tensor, k: int, block: int = 64) -> torch.Tensor:
-    """Indices of the ``k`` largest entries of each row of ``x`` [B, V], like ``x.topk(k).indices`` (ties may
-    resolve differently). Each of them lies in one of the ``k`` blocks with the largest maxima (a block holding
-    one has its maximum at least that large, and at most k - 1 larger entries lie elsewhere), so the search
-    runs over k * block candidates instead of the whole 49k vocabulary: 2.2x faster at 16-64 rows."""
-    b, v = x.shape
-    if v % block or v < 4 * k * block:
-        return x.topk(k, dim=-1).indices
-    blocks = x.view(b, v // block, block)
-    chosen = blocks.amax(-1).topk(k, dim=-1).indices  # [B, k]
-    candidates = blocks.gather(1, chosen[:, :, None].expand(-1, -1, block)).view(b, k * block)
-    picked = candidates.topk(k, dim=-1).indices
-    return chosen.gather(1, picked // block) * block + picked % block
-
-
-def rescore_top(low: torch.Tensor, hidden: torch.Tensor, head_weight: torch.Tensor, k: int) -> torch.Tensor:
-    """Float32 logits [B, V] from the bf16 head's ``low`` [B, V], the ``k`` largest of each row recomputed in
-    float32 from ``hidden`` [B, H] and the float32 ``head_weight`` [V, H] (the native ``rescore_head``)."""
-    logits = low.float()
-    top = blocked_topk(logits, k)
-    exact = torch.bmm(head_weight[top], hidden.float()[:, :, None]).squeeze(-1)
-    return logits.scatter_(1, top, exact)
 
 
 def _config(model: torch.nn.Module):
