@@ -66,6 +66,19 @@ def adder(prompt: str) -> str:
 
 # --- the endpoint --------------------------------------------------------------------------------------------
 
+
+def test_a_client_given_the_address_before_the_server_starts_is_answered(tok):
+    """``polyrl serve`` prints the address, then starts uvicorn: a client as quick as that is held in the
+    listening socket's backlog and answered once the server runs, never refused."""
+    import socket
+
+    server = EndpointServer(Endpoint(ScriptedEngine(tok, lambda prompt: "hi"), ("tiny",)))
+    early = socket.create_connection(("127.0.0.1", server.port), timeout=5)  # refused before the fix
+    early.close()
+    server.start()
+    with urllib.request.urlopen(server.base_url + "/models", timeout=30) as reply:
+        assert json.loads(reply.read())["data"][0]["id"] == "tiny"
+
 @pytest.mark.slow
 def test_completions_report_tokens_logprobs_and_usage(tiny):
     server = serve(tiny)

@@ -283,6 +283,9 @@ class EndpointServer:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((HOST, port))
+        # Listening from here on: a client given base_url before uvicorn starts waits in the backlog instead of
+        # being refused (``polyrl serve`` prints the address first).
+        self._sock.listen(2048)
         self.port = self._sock.getsockname()[1]
         config = uvicorn.Config(build_app(endpoint), log_level="warning", lifespan="off", access_log=False)
         self._server = uvicorn.Server(config)
