@@ -35,7 +35,7 @@ ARGS = [
     "algorithm.regularisers.entropy_coef=0.01", "algorithm.regularisers.kl_coef=0.01", "rollout.group_size=2",
     # Long enough a generation (about 0.1 s on the fused bf16 path, longer elsewhere) that a kill 0.02 s into it
     # lands inside it on a fast machine.
-    "rollout.max_new_tokens=320",
+    "rollout.max_new_tokens=192",
 ]
 # One thread per run: runs are small, the machine is shared, and reference and chain must match anyway.
 ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
