@@ -139,7 +139,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
                        const c10::optional<at::Tensor>& bias) {
   check_bf16_2d(x, "x");
   TORCH_CHECK(packed.dtype() == at::kBFloat16 && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 &&
-                  packed.is_contiguous(), "packed must be a contiguous bf16_pack result");
+                  packed.is_contiguous() && reinterpret_cast<uintptr_t>(packed.data_ptr()) % 64 == 0,
+              "packed must be a contiguous, 64-byte aligned bf16_pack result");
   const int64_t rows = x.size(0), in = x.size(1), pairs = packed.size(1);
   TORCH_CHECK(pairs == (in + 1) / 2, "x has ", in, " inputs, the packed weight ", 2 * pairs);
   TORCH_CHECK(outs > 0 && (outs + 15) / 16 == packed.size(0), "outs does not match the packed weight");
