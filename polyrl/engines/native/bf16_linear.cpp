@@ -10,6 +10,8 @@
 // without that the hardware prefetcher lags and the tile waits on memory. Every output is one thread's
 // fixed-order sum, so the results do not depend on the thread count.
 
+#include <memory>
+
 #include "kernels_common.h"
 
 namespace polyrl_native {
@@ -161,11 +163,11 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
     size.push_back(mr);
     r += mr;
   }
-  std::vector<int32_t> xt(rows * pairs);
+  std::unique_ptr<int32_t[]> xt(new int32_t[rows * pairs]);  // every entry written below: no zero fill
   const uint16_t* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<bf16>());
   for (size_t t = 0; t < first.size(); ++t)
     interleave(xs + first[t] * x.stride(0), x.stride(0), in, static_cast<int>(size[t]),
-               xt.data() + first[t] * pairs);
+               xt.get() + first[t] * pairs);
   const __m512i* w = reinterpret_cast<const __m512i*>(packed.data_ptr<bf16>());
   const float* bp = bias.has_value() ? b.data_ptr<float>() : nullptr;
   bf16* yp = y.data_ptr<bf16>();
@@ -173,7 +175,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t ou
     for (int64_t blk = begin; blk < end; ++blk) {
       const int valid = static_cast<int>(std::min<int64_t>(kBlock, outs - blk * kBlock));
       for (size_t t = 0; t < first.size(); ++t)  // the first tile streams the block, the others read L1
-        tile_rows(static_cast<int>(size[t]), xt.data() + first[t] * pairs, w + blk * pairs, pairs,
+        tile_rows(static_cast<int>(size[t]), xt.get() + first[t] * pairs, w + blk * pairs, pairs,
                   yp + first[t] * outs + blk * kBlock, outs, valid, bp ? bp + blk * kBlock : nullptr, t == 0);
     }
   });
