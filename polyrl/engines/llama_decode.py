@@ -376,17 +376,16 @@ class LlamaDecoder:
         if self.native_bf16:  # the same kernels in the same order, the layer loop in C++ (decode_stack.cpp)
             h = ops.decode_stack(x, *self._stack_weights(), cos, sin, own.keys, own.values, kv.prefix_keys,
                                  kv.prefix_values, kv.prefix_bias, kv.row_prompt, t, eps, scale, nh, kvh)
-            own.length = t + 1
-            return self._logits(h)
-        h = ops.add_rms_norm(x, None, self.layers[0].in_norm, eps)
-        for i, layer in enumerate(self.layers):
-            qkv = self.linear(h, layer.qkv, layer.qkv_bias)
-            ops.rope_write(qkv, cos, sin, own.keys[i], own.values[i], t, nh, kvh)
-            att = ops.attention(qkv, kv.prefix_keys[i], kv.prefix_values[i], kv.prefix_bias, kv.row_prompt,
-                                own.keys[i], own.values[i], None, t + 1, scale, nh, kvh)
-            h = ops.add_rms_norm(x, self.linear(att, layer.o), layer.post_norm, eps)
-            up = ops.silu_mul(self.linear(h, layer.gate_up))
-            after = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.final_norm
-            h = ops.add_rms_norm(x, self.linear(up, layer.down), after, eps)
+        else:
+            h = ops.add_rms_norm(x, None, self.layers[0].in_norm, eps)
+            for i, layer in enumerate(self.layers):
+                qkv = self.linear(h, layer.qkv, layer.qkv_bias)
+                ops.rope_write(qkv, cos, sin, own.keys[i], own.values[i], t, nh, kvh)
+                att = ops.attention(qkv, kv.prefix_keys[i], kv.prefix_values[i], kv.prefix_bias, kv.row_prompt,
+                                    own.keys[i], own.values[i], None, t + 1, scale, nh, kvh)
+                h = ops.add_rms_norm(x, self.linear(att, layer.o), layer.post_norm, eps)
+                up = ops.silu_mul(self.linear(h, layer.gate_up))
+                after = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else self.final_norm
+                h = ops.add_rms_norm(x, self.linear(up, layer.down), after, eps)
         own.length = t + 1
         return self._logits(h)
