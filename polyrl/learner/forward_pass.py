@@ -26,6 +26,7 @@ from transformers import DynamicCache, PreTrainedModel
 from polyrl.learner.batch import Batch
 from polyrl.models.device import to_device
 from polyrl.models.forward import FLOAT32_SDPA, checkpointing_active, decoder_forward, full_attention_only
+from polyrl.models.packed_attention import packed_segments, segment_work
 
 BUCKET_OVERHEAD = 32
 """What one more bucket costs (another pass through every layer, forward and backward), in response
@@ -35,6 +36,12 @@ positions of a row; ``length_buckets`` opens a bucket only where it saves more p
 PACKED_ATTENTION = 3000
 """Attention over one packed row of L positions costs about L * L / PACKED_ATTENTION positions of the rest of
 the pass (fitted to update times on SmolLM2-135M; ``benchmarks/packing.py``). 0 turns packing off."""
+
+SEGMENT_OVERHEAD, SEGMENT_PAIR = 115_000, 1.25
+"""Attention one segment at a time (``models/packed_attention.py``) costs about SEGMENT_OVERHEAD + SEGMENT_PAIR x
+its padded query-key pairs, in pairs of the dense mask's kernel (forward and backward of one layer, timed on
+SmolLM2-135M's attention shapes): the gathers and many small kernels cost more than a short row's whole
+attention, so the learner takes the cheaper of the two."""
 
 
 class DecoderPass(NamedTuple):
@@ -62,21 +69,27 @@ def record_passes() -> Iterator[list[DecoderPass]]:
 
 
 @contextlib.contextmanager
-def pass_costs(bucket_overhead: int | None = None, packed_attention: int | None = None) -> Iterator[None]:
+def pass_costs(
+    bucket_overhead: int | None = None, packed_attention: int | None = None, segment_overhead: int | None = None
+) -> Iterator[None]:
     """Inside the block, the cost model that lays out the learner's passes uses ``bucket_overhead`` for
-    ``BUCKET_OVERHEAD`` (a huge value: one response pass, no buckets) and ``packed_attention`` for
-    ``PACKED_ATTENTION`` (0: never one packed row; a huge value: packed wherever it applies); None keeps the
-    value. The layouts agree on the log-probs and gradients (tests/test_length_buckets.py), not on the time."""
-    global BUCKET_OVERHEAD, PACKED_ATTENTION
-    saved = BUCKET_OVERHEAD, PACKED_ATTENTION
+    ``BUCKET_OVERHEAD`` (a huge value: one response pass, no buckets), ``packed_attention`` for
+    ``PACKED_ATTENTION`` (0: never one packed row; a huge value: packed wherever it applies) and
+    ``segment_overhead`` for ``SEGMENT_OVERHEAD`` (a huge value: the packed row's dense mask; a hugely negative
+    one: its segments, where the model's attention reads them); None keeps the value. The layouts agree on the
+    log-probs and gradients (tests/test_length_buckets.py, tests/test_packed_attention.py), not on the time."""
+    global BUCKET_OVERHEAD, PACKED_ATTENTION, SEGMENT_OVERHEAD
+    saved = BUCKET_OVERHEAD, PACKED_ATTENTION, SEGMENT_OVERHEAD
     if bucket_overhead is not None:
         BUCKET_OVERHEAD = bucket_overhead
     if packed_attention is not None:
         PACKED_ATTENTION = packed_attention
+    if segment_overhead is not None:
+        SEGMENT_OVERHEAD = segment_overhead
     try:
         yield
     finally:
-        BUCKET_OVERHEAD, PACKED_ATTENTION = saved
+        BUCKET_OVERHEAD, PACKED_ATTENTION, SEGMENT_OVERHEAD = saved
 
 
 def _decoder_pass(layout: str, *args, **kwargs) -> tuple[torch.Tensor, object]:
@@ -126,12 +139,19 @@ def response_hidden(model: PreTrainedModel, batch: Batch, bf16: bool, share_pref
         no_cache = checkpointing_active(model)
         if _packing_applies(model):
             packed = prompt_positions + sum(max(n - 1, 0) for n in lengths)
-            packed_cost = packed + packed * packed / PACKED_ATTENTION + BUCKET_OVERHEAD
+            pairs = packed * packed  # the dense mask's query-key pairs
+            segmented = False
+            if _segments_apply(model):
+                sizes = unique[:, s:].sum(-1).tolist()
+                responses = [(sizes[u], n - 1) for u, n in zip(inverse.tolist(), lengths, strict=True) if n > 1]
+                segment_pairs = SEGMENT_OVERHEAD + SEGMENT_PAIR * segment_work(sizes, responses)
+                segmented, pairs = segment_pairs < pairs, min(pairs, segment_pairs)
+            packed_cost = packed + pairs / PACKED_ATTENTION + BUCKET_OVERHEAD
             padded = sum(len(b) * max(lengths[i] for i in b) for b in buckets)
             # without a cache the alternative is every row in full, its prompt included
             other = ids.numel() if no_cache else prompt_positions + padded + BUCKET_OVERHEAD * (len(buckets) + 1)
             if packed_cost < other:
-                return _packed(model, batch, bf16, unique, inverse, lengths, ids)
+                return _packed(model, batch, bf16, unique, inverse, lengths, ids, segmented)
         if not no_cache and (len(unique) < len(prompt_key) or len(buckets) > 1):
             return _bucketed(model, batch, bf16, unique, inverse, lengths, buckets)
     hidden, _ = _decoder_pass("padded", model, batch.input_ids, batch.attention_mask, batch.position_ids, bf16)
@@ -192,6 +212,17 @@ def _packing_applies(model: PreTrainedModel) -> bool:
     return bool(PACKED_ATTENTION) and attention in ("sdpa", FLOAT32_SDPA) and full_attention_only(model)
 
 
+_segments_unused: set[type] = set()
+"""Decoder classes whose layers turned out not to pass ``packed_segments`` on to their attention."""
+
+
+def _segments_apply(model: PreTrainedModel) -> bool:
+    """Whether the packed row's attention runs segment by segment: polyrl's SDPA attention function, which reads
+    the layout (``models/packed_attention.py``); other implementations get the dense mask."""
+    return (getattr(model.config, "_attn_implementation", None) == FLOAT32_SDPA
+            and type(model.get_decoder()) not in _segments_unused)
+
+
 def _packed(
     model: PreTrainedModel,
     batch: Batch,
@@ -200,18 +231,23 @@ def _packed(
     inverse: torch.Tensor,
     lengths: list[int],
     host_ids: torch.Tensor | None = None,
+    segmented: bool = False,
 ) -> torch.Tensor:
     """``response_hidden`` from one packed row: [prompt 0 | its responses | prompt 1 | ...], each response
     without its last token (it predicts nothing). Positions restart with each prompt as in the padded rows.
-    ``prompts``, ``inverse`` and ``host_ids`` (``batch.input_ids`` on the host) lay the row out on the host."""
+    ``prompts``, ``inverse`` and ``host_ids`` (``batch.input_ids`` on the host) lay the row out on the host.
+    ``segmented``: attention one segment at a time where the model's attention can (else the dense mask)."""
     r = batch.response_len
     s = batch.input_ids.shape[1] - r
     device = batch.input_ids.device
     host_ids = batch.input_ids.cpu() if host_ids is None else host_ids
     ids, positions, prompt_of, response_of = [], [], [], []  # per packed position; response_of -1: a prompt
     prompt_last, response_start = [], [0] * len(lengths)
+    segments = []  # (start, size, prompt start, prompt size): a prompt sees itself, a response its prompt too
     for u in range(len(prompts)):
         prompt = prompts[u, :s][prompts[u, s:].bool()].tolist()
+        prompt_start = len(ids)
+        segments.append((prompt_start, len(prompt), 0, 0))
         ids += prompt
         positions += range(len(prompt))
         prompt_of += [u] * len(prompt)
@@ -220,19 +256,28 @@ def _packed(
         for i in (inverse == u).nonzero().flatten().tolist():
             n = max(lengths[i] - 1, 0)
             response_start[i] = len(ids)
+            if n:
+                segments.append((len(ids), n, prompt_start, len(prompt)))
             ids += host_ids[i, s : s + n].tolist()
             positions += range(len(prompt), len(prompt) + n)
             prompt_of += [u] * n
             response_of += [i] * n
-    group, row = to_device(prompt_of, device), to_device(response_of, device)
-    # Query a sees key b when b comes no later, under the same prompt, and is a prompt token or a's own response.
-    allowed = torch.ones(len(ids), len(ids), dtype=torch.bool, device=device).tril_()
-    allowed &= (group[:, None] == group[None]) & ((row[None] == -1) | (row[None] == row[:, None]))
     gather = torch.zeros((len(lengths), r), dtype=torch.long)  # where each response position's hidden state is
     for i, n in enumerate(lengths):
         gather[i, 0] = prompt_last[int(inverse[i])]  # the prompt's last position predicts the first token
         gather[i, 1:n] = torch.arange(response_start[i], response_start[i] + n - 1)
-    hidden, _ = _decoder_pass(
-        "packed", model, to_device([ids], device), allowed[None, None], to_device([positions], device), bf16
-    )
+    row_ids, row_positions = to_device([ids], device), to_device([positions], device)
+    hidden = None
+    if segmented and _segments_apply(model):
+        layout = packed_segments(segments, len(ids)).to(device)
+        hidden, _ = _decoder_pass("packed", model, row_ids, None, row_positions, bf16, packed_segments=layout)
+        if layout.calls[0] == 0:  # the model's layers did not pass the layout on: remember, use the dense mask
+            _segments_unused.add(type(model.get_decoder()))
+            hidden = None
+    if hidden is None:
+        group, row = to_device(prompt_of, device), to_device(response_of, device)
+        # Query a sees key b when b comes no later, under the same prompt, and is a prompt token or a's own response.
+        allowed = torch.ones(len(ids), len(ids), dtype=torch.bool, device=device).tril_()
+        allowed &= (group[:, None] == group[None]) & ((row[None] == -1) | (row[None] == row[:, None]))
+        hidden, _ = _decoder_pass("packed", model, row_ids, allowed[None, None], row_positions, bf16)
     return hidden[0][gather.to(device, non_blocking=True)]

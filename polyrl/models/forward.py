@@ -11,13 +11,15 @@ import torch
 from transformers import PreTrainedModel
 
 from polyrl.models.device import bf16_autocast
+from polyrl.models.packed_attention import PackedSegments, segment_attention
 
 FLOAT32_SDPA = "sdpa_float32"
 
 
-def float32_sdpa(module, query, key, value, attention_mask, **kwargs):
+def float32_sdpa(module, query, key, value, attention_mask, packed_segments: PackedSegments | None = None, **kwargs):
     """transformers' SDPA attention, run in float32 on a CPU where it would run in bf16 (under bf16 autocast, or
-    on bf16 weights), for more than one query position.
+    on bf16 weights), for more than one query position. With ``packed_segments`` (a packed row's layout, passed
+    to the model's forward), one segment at a time (``packed_attention.py``); ``attention_mask`` is not read.
 
     torch's CPU flash-attention kernel runs float32 faster than bf16 at these sizes, forward and backward
     (16 rows, 9 heads over 3 key/value heads, 64 queries x 108 keys: 9.7 against 18.4 ms; 256 x 256: 29.6
@@ -25,6 +27,8 @@ def float32_sdpa(module, query, key, value, attention_mask, **kwargs):
     whole cached keys and values would be cast for one query."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if packed_segments is not None:
+        return segment_attention(float32_sdpa, module, query, key, value, packed_segments, **kwargs)
     device_type = query.device.type
     autocast = device_type == "cpu" and torch.is_autocast_enabled(device_type)
     low = autocast or query.dtype != torch.float32
@@ -94,9 +98,11 @@ def decoder_forward(
     bf16: bool,
     past_key_values=None,
     use_cache: bool = False,
+    packed_segments: PackedSegments | None = None,
 ):
     """Return (last hidden states [B, T, H], KV cache or None) from the model's decoder body; ``bf16`` is
-    autocast on the device ``input_ids`` are on (the model's)."""
+    autocast on the device ``input_ids`` are on (the model's). ``packed_segments`` reaches ``float32_sdpa``."""
+    extra = {} if packed_segments is None else {"packed_segments": packed_segments}
     with autocast_context(bf16, input_ids.device.type):
         out = model.get_decoder()(
             input_ids=input_ids,
@@ -104,6 +110,7 @@ def decoder_forward(
             position_ids=position_ids,
             past_key_values=past_key_values,
             use_cache=use_cache,
+            **extra,
         )
     return out.last_hidden_state, out.past_key_values if use_cache else None
 
