@@ -27,14 +27,14 @@ CASES = {
 }
 
 
-def quickstart_learner():
-    """SmolLM2's learner set up as in the quickstart, and a maker of 2-prompt x 8 batches with the given
-    response lengths (random tokens, random advantages)."""
+def quickstart_learner(checkpointing: bool = False):
+    """SmolLM2's learner set up as in the quickstart (``checkpointing``: with its activation checkpointing), and a
+    maker of 2-prompt x 8 batches with the given response lengths (random tokens, random advantages)."""
     import roofline
 
     from polyrl import Trajectory
 
-    model, tokenizer, engine, learner = roofline.build("smollm2-135m-instruct", 16)
+    model, tokenizer, engine, learner = roofline.build("smollm2-135m-instruct", 16, checkpointing=checkpointing)
     del engine
     prompt = roofline.prompt_ids(tokenizer)
     prompts = [prompt, prompt[:-3] + [1000, 1001, 1002]]

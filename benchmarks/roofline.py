@@ -160,8 +160,19 @@ def training_flops(model, trajectories: list, share_prefix: bool = True) -> dict
     return {"positions": positions, "flops": 6 * body * positions + 6 * head * response_positions}
 
 
-def build(model_name: str, micro_batch: int, total_steps: int = 1000):
-    from polyrl import AlgorithmConfig, HFEngine, Learner, OptimConfig, keep_freed_memory, load_model, load_tokenizer
+def build(model_name: str, micro_batch: int, total_steps: int = 1000, checkpointing: bool = False):
+    """SmolLM2's model, tokenizer, engine and learner as the quickstart sets them up; ``checkpointing``: layers
+    recomputed in the backward pass (the quickstart's ``learner.activation_checkpointing``)."""
+    from polyrl import (
+        AlgorithmConfig,
+        HFEngine,
+        Learner,
+        LearnerConfig,
+        OptimConfig,
+        keep_freed_memory,
+        load_model,
+        load_tokenizer,
+    )
 
     keep_freed_memory()  # as every training run does (runtime.keep_freed_memory)
     tokenizer = load_tokenizer(model_name)
@@ -171,6 +182,7 @@ def build(model_name: str, micro_batch: int, total_steps: int = 1000):
     learner = Learner(
         model, AlgorithmConfig(regularisers={"track_kl": False}), OptimConfig(lr=1e-9, micro_batch_size=micro_batch),
         temperature=1.0, bf16=True, pad_id=engine.pad_id, total_steps=total_steps,
+        sharding=LearnerConfig(activation_checkpointing=checkpointing),
     )
     return model, tokenizer, engine, learner
 
