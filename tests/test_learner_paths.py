@@ -136,6 +136,32 @@ def test_bf16_backward_head_matches_the_float32_head():
     assert torch.nn.functional.cosine_similarity(fast, exact, dim=0) > 0.999
 
 
+def test_float32_head_keeps_its_softmax_and_matches_the_recomputed_head(monkeypatch):
+    # Float32 training: the kept float32 softmax gives the checkpointed head's log-probs and gradients to float32
+    # rounding, with no recompute of the head; past KEPT_SOFTMAX_BYTES the head is checkpointed again.
+    from polyrl.learner import logprobs
+    from polyrl.learner.forward_pass import response_hidden
+
+    model = tiny_random_model(seed=5)
+    batch = _batch()
+    calls = []
+    head = logprobs._head_logprobs
+    monkeypatch.setattr(logprobs, "_head_logprobs", lambda *a: calls.append(1) or head(*a))
+    out = {}
+    for kept_bytes in (10**9, 0):
+        monkeypatch.setattr(logprobs, "KEPT_SOFTMAX_BYTES", kept_bytes)
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        hidden = response_hidden(model, batch, False)
+        logp, ent = logprobs.chunked_logprobs(model, hidden, batch.targets, 0.7, chunk=3)
+        (logp * batch.loss_mask * torch.linspace(-1, 2, logp.numel()).view_as(logp)).sum().backward()
+        out[kept_bytes] = (logp.detach(), ent.detach(), _grads(model), len(calls))
+    chunks = -(-batch.targets.shape[1] // 3)
+    assert out[10**9][3] == 0 and out[0][3] == 2 * chunks  # checkpointed: each chunk's head forward twice
+    for a, b in zip(out[10**9][:3], out[0][:3], strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5), (a - b).abs().max()
+
+
 @pytest.mark.slow
 def test_micro_batches_change_no_update():
     # Micro-batches are cut from the batch sorted by prompt length and group (so a group's shared prompt is

@@ -11,8 +11,8 @@ import torch.utils.checkpoint
 from transformers import PreTrainedModel
 
 from polyrl.learner.batch import Batch
-from polyrl.learner.bf16_head import head_logprobs
 from polyrl.learner.forward_pass import response_hidden
+from polyrl.learner.head_logprobs import head_logprobs
 from polyrl.models.forward import head_logits
 
 
@@ -55,6 +55,10 @@ def _logprobs_of(
 HEAD_CHUNK = 16
 """Response positions per chunk of the float32 output head in ``chunked_logprobs``."""
 
+KEPT_SOFTMAX_BYTES = 256 * 2**20
+"""In float32 training ``chunked_logprobs`` keeps each chunk's float32 softmax for the backward pass (no
+recompute of the head) while a batch's whole softmax fits in this many bytes, and recomputes it above."""
+
 
 def _head_logprobs(
     model: PreTrainedModel, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_grad: bool
@@ -71,23 +75,26 @@ def chunked_logprobs(
     chunk: int = HEAD_CHUNK,
     bf16_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logprobs_from_logits(head_logits(hidden) / temperature)`` over ``chunk`` positions at a time.
+    """``logprobs_from_logits(head_logits(hidden) / temperature)`` over ``chunk`` positions at a time, so the
+    float32 [B, R, V] logits (and their gradient) never exist whole.
 
-    Under autograd each chunk is checkpointed: only its hidden states are kept and its logits are recomputed
-    in the backward pass, so the float32 [B, R, V] logits (and their softmax and gradient) never exist whole.
-    The cost is one more output-head matmul per position in the backward pass. With ``bf16_backward`` (for
-    bf16-autocast training; not with ``entropy_grad``) each chunk instead keeps its softmax in bf16 and runs
-    the backward matmuls in bf16 (``learner/bf16_head.py``): no recomputation, and the rest at twice the rate.
+    Under autograd each chunk keeps its softmax for the backward pass (``learner/head_logprobs.py``): in bf16,
+    with the backward's matmuls in bf16, for bf16-autocast training (``bf16_backward``); in float32 otherwise,
+    while the batch's softmax fits in ``KEPT_SOFTMAX_BYTES``. Above that, or with ``entropy_grad``, or a head
+    that is not a plain bias-free linear layer, each chunk is checkpointed instead: only its hidden states are
+    kept and its logits are recomputed in the backward pass (one more output-head matmul per position).
     """
     head = model.get_output_embeddings()
     grad = torch.is_grad_enabled() and hidden.requires_grad
-    if grad and bf16_backward and not entropy_grad and type(head) is torch.nn.Linear and head.bias is None:
-        weight_bf16 = head.weight.detach().to(torch.bfloat16)
-        parts = [
-            head_logprobs(hidden[:, i : i + chunk], head.weight, weight_bf16, targets[:, i : i + chunk], temperature)
-            for i in range(0, hidden.shape[1], chunk)
-        ]
-        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
+    if grad and not entropy_grad and type(head) is torch.nn.Linear and head.bias is None:
+        kept_float32 = hidden.shape[0] * hidden.shape[1] * head.weight.shape[0] * 4
+        weight = head.weight.detach().to(torch.bfloat16) if bf16_backward else head.weight.detach()
+        if bf16_backward or kept_float32 <= KEPT_SOFTMAX_BYTES:
+            parts = [
+                head_logprobs(hidden[:, i : i + chunk], head.weight, weight, targets[:, i : i + chunk], temperature)
+                for i in range(0, hidden.shape[1], chunk)
+            ]
+            return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
     logps, entropies = [], []
     for i in range(0, hidden.shape[1], chunk):
         args = (model, hidden[:, i : i + chunk], targets[:, i : i + chunk], temperature, entropy_grad)
