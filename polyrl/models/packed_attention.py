@@ -1,12 +1,12 @@
 """Attention over a packed row, one segment at a time.
 
 A packed row lays several sequences end to end ([prompt 0 | its responses | prompt 1 | ...]); a query sees only
-its own prompt and its own earlier tokens. A dense [L, L] mask makes every attention kernel compute all L * L
-scores and throw most away: with 16 short answers, attention was about a third of the learner's update. Here
-each segment (a prompt, or a response) gathers its own queries and the keys it may see into a small padded
-batch, [segments, queries, keys], runs the model's attention on that, and scatters the outputs back to the row.
-The work is the sum of each segment's queries x keys instead of L * L; the result is the dense mask's up to
-the order of float sums, and gradients flow through the gathers as through any index.
+its own prompt and its own earlier tokens. A dense [L, L] mask makes the attention kernel compute all L * L
+scores and throw most away, which for long answers outweighs the rest of the pass. Here each segment (a prompt,
+or a response) gathers its own queries and the keys it may see into a small padded batch, [segments, queries,
+keys], runs the model's attention on that, and scatters the outputs back to the row. The work is the sum of
+each segment's queries x keys instead of L * L; the result is the dense mask's up to the order of float sums,
+and gradients flow through the gathers as through any index.
 """
 
 from __future__ import annotations
@@ -80,6 +80,8 @@ def segment_attention(
 ) -> tuple[torch.Tensor, None]:
     """``attend`` (a transformers attention function) over each segment of one packed row: ``query`` [1, H, L, D]
     and ``key``/``value`` [1, H_kv, L, D] in, [1, L, H, D] out, as transformers' attention functions return."""
+    if query.shape[0] != 1:
+        raise ValueError(f"segment_attention: one packed row, got a batch of {query.shape[0]}")
     segments.calls[0] += 1
     # index_select, not advanced indexing: its backward adds rows (index_add) instead of sorting them
     n_s, n_q = segments.queries.shape
