@@ -163,3 +163,25 @@ def test_segments_only_where_cheaper(monkeypatch):
     forward_pass.response_hidden(model, short, False)
     forward_pass.response_hidden(model, long, False)
     assert chosen == [False, True]
+
+
+def test_segments_on_qwen2_with_biases_and_on_lora(monkeypatch):
+    # Another family (q/k/v biases, untied head) and a LoRA-wrapped policy reach the attention the same way.
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                        attn_implementation="sdpa"))
+    assert use_float32_attention(qwen)
+    lora = get_peft_model(_model(11), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 task_type="CAUSAL_LM"))
+    batch, made = _batch(), _layouts(monkeypatch)
+    mask = batch.loss_mask.bool()
+    for model in (qwen, lora):
+        segmented = _logprobs_and_grads(model, batch, share=True)
+        assert made[-1].calls == [2]  # both layers read the layout
+        plain = _logprobs_and_grads(model, batch, share=False)
+        assert torch.allclose(segmented[0][mask], plain[0][mask], atol=1e-5)
+        assert torch.allclose(segmented[1], plain[1], atol=1e-5)
