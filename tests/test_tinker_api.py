@@ -310,3 +310,28 @@ def test_unimplemented_calls_and_bad_requests_say_what(server, service_client):
     sampler = service_client.create_sampling_client(base_model=MODEL).result()
     with pytest.raises(tinker.RequestFailedError, match="exceeds the model's context"):
         sampler.sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=5000)).result()
+
+
+def test_the_head_runs_on_the_datums_positions_not_the_padding(monkeypatch):
+    # Three datums of 3, 6 and 12 tokens whose weights start at 2: the pass with gradients lays them out padded
+    # to the longest, but the output head sees only their own positions (1 + 4 + 10 = 15 rows, in one chunk),
+    # and the log-probs equal a plain forward's.
+    from polyrl.tinker_api import passes
+    from polyrl.tinker_api.wire import Datum
+
+    model = tiny_random_model(seed=3)
+    rows = []
+    head = passes.chunked_logprobs
+    monkeypatch.setattr(passes, "chunked_logprobs",
+                        lambda m, hidden, *a, **k: rows.append(tuple(hidden.shape[:-1])) or head(m, hidden, *a, **k))
+    data = []
+    for n in (3, 6, 12):
+        tokens = list(range(5, 5 + n + 1))
+        weights = torch.tensor([0.0, 0.0] + [1.0] * (n - 2))
+        data.append(Datum(tokens=tokens[:-1], inputs={"target_tokens": torch.tensor(tokens[1:]), "weights": weights}))
+    logprobs = passes.datum_logprobs(model, data, [2, 2, 2], bf16=False, pad_id=0, grad=True)
+    assert rows[0] == (1, 15)  # the pass with gradients; then the shared prefix's own (gradient-free) pass
+    for datum, lp in zip(data, logprobs, strict=True):
+        full = torch.log_softmax(model(torch.tensor([datum.tokens])).logits[0].float(), -1)
+        want = full.gather(-1, datum.inputs["target_tokens"][:, None])[:, 0]
+        torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
