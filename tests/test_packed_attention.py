@@ -26,7 +26,7 @@ def test_layout_of_a_prompt_and_two_responses():
         [[1, 1, 1, 1, 0], [1, 0, 0, 0, 0], [1, 0, 0, 0, 0]],
     ]
     assert layout.outputs.tolist() == [0, 1, 2, 3, 4, 6]
-    assert layout.work() == 3 * 3 * 5 == segment_work([3], [(3, 2), (3, 1)])
+    assert layout.queries.numel() * layout.keys.shape[1] == 3 * 3 * 5 == segment_work([3], [(3, 2), (3, 1)])
 
 
 def test_positions_in_two_segments_or_none_are_refused():

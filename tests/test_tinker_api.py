@@ -316,13 +316,14 @@ def test_the_head_runs_on_the_datums_positions_not_the_padding(monkeypatch):
     # Three datums of 3, 6 and 12 tokens whose weights start at 2: the pass with gradients lays them out padded
     # to the longest, but the output head sees only their own positions (1 + 4 + 10 = 15 rows, in one chunk),
     # and the log-probs equal a plain forward's.
+    from polyrl.learner import logprobs
     from polyrl.tinker_api import passes
     from polyrl.tinker_api.wire import Datum
 
     model = tiny_random_model(seed=3)
     rows = []
-    head = passes.chunked_logprobs
-    monkeypatch.setattr(passes, "chunked_logprobs",
+    head = logprobs.chunked_logprobs
+    monkeypatch.setattr(logprobs, "chunked_logprobs",
                         lambda m, hidden, *a, **k: rows.append(tuple(hidden.shape[:-1])) or head(m, hidden, *a, **k))
     data = []
     for n in (3, 6, 12):
@@ -330,7 +331,7 @@ def test_the_head_runs_on_the_datums_positions_not_the_padding(monkeypatch):
         weights = torch.tensor([0.0, 0.0] + [1.0] * (n - 2))
         data.append(Datum(tokens=tokens[:-1], inputs={"target_tokens": torch.tensor(tokens[1:]), "weights": weights}))
     logprobs = passes.datum_logprobs(model, data, [2, 2, 2], bf16=False, pad_id=0, grad=True)
-    assert rows[0] == (1, 15)  # the pass with gradients; then the shared prefix's own (gradient-free) pass
+    assert rows == [(1, 15)]  # the pass with gradients (the prefix's gradient-free pass is passes' own call)
     for datum, lp in zip(data, logprobs, strict=True):
         full = torch.log_softmax(model(torch.tensor([datum.tokens])).logits[0].float(), -1)
         want = full.gather(-1, datum.inputs["target_tokens"][:, None])[:, 0]

@@ -105,3 +105,24 @@ def chunked_logprobs(
         logps.append(lp)
         entropies.append(ent)
     return torch.cat(logps, dim=1), torch.cat(entropies, dim=1)
+
+
+def response_token_logprobs(
+    model: PreTrainedModel,
+    hidden: torch.Tensor,
+    batch: Batch,
+    temperature: float,
+    entropy_grad: bool = False,
+    bf16_backward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``chunked_logprobs`` of ``hidden`` [B, R, H] (``response_hidden``'s) at ``batch``'s response tokens only,
+    packed into one row so padding costs the head nothing; [B, R] log-probs and entropy, zeros at padding."""
+    used = batch.attention_mask[:, -batch.response_len :].bool()
+    logp, entropy = chunked_logprobs(model, hidden[used][None], batch.targets[used][None], temperature, entropy_grad,
+                                     chunk=HEAD_CHUNK * len(used), bf16_backward=bf16_backward)
+    return _unpack(logp[0], used), _unpack(entropy[0], used)
+
+
+def _unpack(packed: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
+    """Values of the ``used`` positions back in their [B, R] places, zeros elsewhere."""
+    return packed.new_zeros(used.shape).masked_scatter(used, packed)

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 from polyrl.algorithms.gae import ValueHead
 from polyrl.learner.batch import Batch
 from polyrl.learner.forward_pass import response_hidden
-from polyrl.learner.logprobs import HEAD_CHUNK, chunked_logprobs, logprobs_from_logits, token_logprobs
+from polyrl.learner.logprobs import logprobs_from_logits, response_token_logprobs, token_logprobs
 from polyrl.models.forward import autocast_context, head_logits
 
 PassOutput = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -61,15 +61,6 @@ class PolicyPass(torch.nn.Module):
         if logits:
             full = head_logits(self.policy, hidden) / self.temperature
             return (*logprobs_from_logits(full, batch, entropy_grad), values, full)
-        # The head runs on response tokens only, packed into one row: padding costs it nothing.
-        used = batch.attention_mask[:, -batch.response_len :].bool()
-        logp, entropy = chunked_logprobs(
-            self.policy, hidden[used][None], batch.targets[used][None], self.temperature, entropy_grad,
-            chunk=HEAD_CHUNK * len(used), bf16_backward=self.bf16,
-        )
-        return _unpack(logp[0], used), _unpack(entropy[0], used), values, None
-
-
-def _unpack(packed: torch.Tensor, used: torch.Tensor) -> torch.Tensor:
-    """Values of the ``used`` positions back in their [B, R] places, zeros elsewhere."""
-    return packed.new_zeros(used.shape).masked_scatter(used, packed)
+        logp, entropy = response_token_logprobs(self.policy, hidden, batch, self.temperature, entropy_grad,
+                                                bf16_backward=self.bf16)
+        return logp, entropy, values, None

@@ -35,10 +35,6 @@ class PackedSegments:
         return PackedSegments(self.queries.to(**move), self.keys.to(**move), self.allowed.to(**move),
                               self.outputs.to(**move), self.calls)
 
-    def work(self) -> int:
-        """Query-key pairs the segmented attention computes (padding included)."""
-        return self.queries.numel() * self.keys.shape[1]
-
 
 def packed_segments(segments: Sequence[tuple[int, int, int, int]], length: int) -> PackedSegments:
     """Segments of a row of ``length`` positions, each ``(start, size, prefix_start, prefix_size)``: the

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from polyrl.learner.batch import Batch
 from polyrl.learner.forward_pass import response_hidden
-from polyrl.learner.logprobs import HEAD_CHUNK, chunked_logprobs
+from polyrl.learner.logprobs import chunked_logprobs, response_token_logprobs
 from polyrl.models.forward import decoder_forward
 from polyrl.tinker_api.wire import Datum
 
@@ -104,13 +104,8 @@ def datum_logprobs(model: PreTrainedModel, data: list[Datum], starts: list[int],
     """Each datum's log-probs of its targets, one per position (differentiable from its start when ``grad``)."""
     batch = layout(data, starts, pad_id).to(next(model.parameters()).device)
     with torch.set_grad_enabled(grad):
-        hidden = response_hidden(model, batch, bf16)
-        # The head on the datums' own positions only (not the layout's padding), its backward in bf16 under
-        # autocast, as the learner's pass runs it.
-        used = batch.attention_mask[:, -batch.response_len :].bool()
-        own, _ = chunked_logprobs(model, hidden[used][None], batch.targets[used][None], 1.0,
-                                  chunk=HEAD_CHUNK * len(data), bf16_backward=bf16)
-        tail = own.new_zeros(used.shape).masked_scatter(used, own[0])
+        # the head on the datums' own positions (not the layout's padding), as the learner's pass runs it
+        tail, _ = response_token_logprobs(model, response_hidden(model, batch, bf16), batch, 1.0, bf16_backward=bf16)
     head = _prefix_logprobs(model, data, starts, bf16)
     return [torch.cat([h.to(tail.device), tail[i, : len(d.tokens) - s]])
             for i, (d, s, h) in enumerate(zip(data, starts, head, strict=True))]
