@@ -257,3 +257,16 @@ def test_held_out_evaluation_runs_without_the_sampling_copy(monkeypatch, tmp_pat
     after = run.engine.generate(PROMPTS, n=2, max_new_tokens=6, temperature=1.0, seed=3)
     assert [c.token_ids for g in after for c in g] == [c.token_ids for g in before for c in g]
     assert [c.logprobs for g in after for c in g] == [c.logprobs for g in before for c in g]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_table_rows_equal_the_rotary_module(tiny, dtype):
+    """A decode step's cos and sin come from a table of the model's rotary module over all positions: each row
+    is what the module gives for that position alone, also after the table grows past its first size."""
+    dec = LlamaDecoder(tiny, tiny.get_output_embeddings().weight.detach().clone(), dtype)
+    x = torch.zeros(4, tiny.config.hidden_size, dtype=dtype)
+    for positions in (torch.tensor([0, 5, 17, 3]), torch.tensor([511, 700, 2, 1025])):
+        got = dec._rope_at(x, positions)
+        want = dec._rope(x, positions[:, None])
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert dec._rope_table[0].shape[1] >= 1026

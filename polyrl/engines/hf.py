@@ -287,11 +287,13 @@ class HFEngine:
         if self.rebuild_on_use and self.head_weight is None:
             self.sync()
         was_training = self.model.training
-        self.model.eval()
+        if was_training:  # a walk over every module: skipped when the model is already in eval mode
+            self.model.eval()
         try:
             flat = self._generate(prompts, n, max_new_tokens, temperature, top_p, seed, stop, entropy, top_logprobs)
         finally:
-            self.model.train(was_training)
+            if was_training:
+                self.model.train()
         return [flat[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _generate(self, prompts, n, max_new_tokens, temperature, top_p, seed, stop=None, entropy=False, top_k_lp=0):

@@ -185,6 +185,7 @@ class LlamaDecoder:
         self.head_weight = head_weight
         decoder = policy.get_decoder()
         self.rotary = decoder.rotary_emb
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [1, n, d] (_rope_at)
         self.tied = policy.get_input_embeddings().weight is policy.get_output_embeddings().weight
         self.embed = None if self.tied else self._copy(policy.get_input_embeddings().weight)
         self.layers = [self._fuse(layer) for layer in decoder.layers]
@@ -283,6 +284,20 @@ class LlamaDecoder:
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rotary(x, positions)  # the model's own rotary module: same frequencies and scaling
 
+    def _rope_at(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, d] of one position per row: rows of a table of the rotary module's output over
+        positions 0..n, built once (the module's handful of operations cost as much as a small kernel each step).
+        With the default RoPE a position's angles depend on it alone; other RoPE types (dynamic scaling) call
+        the module."""
+        if getattr(self.rotary, "rope_type", "default") != "default":
+            return self._rope(x, positions[:, None])
+        need = int(positions.max()) + 1
+        table = self._rope_table
+        if table is None or table[0].shape[1] < need or table[0].dtype != x.dtype:
+            n = max(need, 2 * table[0].shape[1] if table is not None else 512)
+            table = self._rope_table = self._rope(x, torch.arange(n, device=x.device)[None])
+        return table[0][0, positions][:, None], table[1][0, positions][:, None]
+
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
         """x + MLP(norm(x)) for 2-D x."""
         gate, up = self.linear(rms_norm(x, layer.post_norm, self.eps), layer.gate_up).chunk(2, dim=-1)
@@ -335,7 +350,7 @@ class LlamaDecoder:
         b, t = tokens.shape[0], kv.length
         kv.reserve(t + 1)
         x = self._embed(tokens)
-        cos, sin = self._rope(x, positions[:, None])  # [B, 1, d]: broadcast over the heads
+        cos, sin = self._rope_at(x, positions)  # [B, 1, d]: broadcast over the heads
         bias = kv.attention_bias(mask)
         nh, kvh, d = self.heads, self.kv_heads, self.head_dim
         scale = d**-0.5
@@ -371,7 +386,7 @@ class LlamaDecoder:
         t = own.length
         own.reserve(t + 1)
         x = self._embed(tokens).contiguous()  # the residual stream, updated in place by add_rms_norm
-        cos, sin = self._rope(x, positions[:, None])
+        cos, sin = self._rope_at(x, positions)
         nh, kvh, eps, scale = self.heads, self.kv_heads, self.eps, self.head_dim**-0.5
         if self.native_bf16:  # the same kernels in the same order, the layer loop in C++ (decode_stack.cpp)
             h = ops.decode_stack(x, *self._stack_weights(), cos, sin, own.keys, own.values, kv.prefix_keys,

@@ -2,6 +2,7 @@
 // shared prompt and its own generated positions, one softmax over both (polyrl/engines/decode_kv.py,
 // PromptSharedKV). Same roundings as the torch attention it replaces (tests/test_native_kernels.py).
 
+#include "attention_bf16.h"
 #include "f32_kernels.h"
 #include "kernels_common.h"
 
@@ -10,53 +11,40 @@ namespace {
 using namespace polyrl_native;
 
 // Softmax of each of the g score rows (``stride`` apart, ``length`` used) in place, the probabilities
-// rounded to bf16 (as SDPA rounds them before they weight bf16 values). Masked scores are -inf.
+// rounded to bf16 (as SDPA rounds them before they weight bf16 values). Masked scores are -inf. The last
+// partial vector of a row is masked rather than done one score at a time: a scalar exp costs as much as a
+// vector one.
 void softmax_rows(float* scores, int g, int64_t stride, int64_t length) {
   for (int i = 0; i < g; ++i) {
     float* s = scores + i * stride;
-    int64_t t = 0;
-    float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
 #ifdef __AVX512F__
-    __m512 mv = _mm512_set1_ps(m);
-    for (; t + 16 <= length; t += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(s + t));
-    m = _mm512_reduce_max_ps(mv);
-#endif
-    for (; t < length; ++t) m = s[t] > m ? s[t] : m;
-    t = 0;
-#ifdef __AVX512F__
-    const __m512 mm = _mm512_set1_ps(m);
+    auto lanes = [length](int64_t t) {
+      return length - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (length - t)) - 1);
+    };
+    __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t t = 0; t < length; t += 16) mv = _mm512_mask_max_ps(mv, lanes(t), mv, _mm512_maskz_loadu_ps(lanes(t), s + t));
+    const __m512 mm = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
     __m512 sv = _mm512_setzero_ps();
-    for (; t + 16 <= length; t += 16) {
-      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_loadu_ps(s + t), mm));
-      _mm512_storeu_ps(s + t, e);
-      sv = _mm512_add_ps(sv, e);
+    for (int64_t t = 0; t < length; t += 16) {
+      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes(t), s + t), mm));
+      _mm512_mask_storeu_ps(s + t, lanes(t), e);
+      sv = _mm512_mask_add_ps(sv, lanes(t), sv, e);
     }
-    sum = _mm512_reduce_add_ps(sv);
-#endif
-    for (; t < length; ++t) {
+    const __m512 iv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
+    for (int64_t t = 0; t < length; t += 16)
+      _mm512_mask_storeu_ps(s + t, lanes(t), rnd16(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(t), s + t), iv)));
+#else
+    float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (int64_t t = 0; t < length; ++t) m = s[t] > m ? s[t] : m;
+    for (int64_t t = 0; t < length; ++t) {
       s[t] = std::exp(s[t] - m);
       sum += s[t];
     }
     const float inv = 1.f / sum;
-    t = 0;
-#ifdef __AVX512F__
-    const __m512 iv = _mm512_set1_ps(inv);
-    for (; t + 16 <= length; t += 16) _mm512_storeu_ps(s + t, rnd16(_mm512_mul_ps(_mm512_loadu_ps(s + t), iv)));
+    for (int64_t t = 0; t < length; ++t) s[t] = f(r(s[t] * inv));
 #endif
-    for (; t < length; ++t) s[t] = f(r(s[t] * inv));
   }
 }
-
-// A stretch of keys and values one query attends to: ``kt`` [d, cap] (transposed keys), ``v`` [cap, d], its
-// first ``length`` positions, and ``bias`` (0 or -inf per position) or none (all visible). A row's attention
-// may span two: the prompt its group shares, stored once, and its own generated positions.
-struct Segment {
-  const bf16* kt;
-  const bf16* v;
-  int64_t cap;
-  int64_t length;
-  const float* bias;
-};
 
 inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
@@ -158,12 +146,38 @@ bool weigh_values(int g, int64_t d, const float* p, int64_t ss, const Segment* s
 }
 #endif
 
+// attend_group on `vdpbf16ps` (attention_bf16.h): scores (q . k) x scale, the softmax as below, the values
+// weighed by the bf16 probabilities; head_dim a multiple of 32, at most 128.
+void attend_group_bf16(const bf16* q, int g, int64_t d, const Segment* segs, int n, float scale, bf16* out,
+                       float* scores, int64_t ss) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  int64_t off = 0;
+  for (int k = 0; k < n; ++k) {
+    const Segment& seg = segs[k];
+    float* sc = scores + off;
+    for (int64_t t = scores_bf16(g, q, d, seg, scale, sc, ss); t < seg.length; ++t)
+      for (int i = 0; i < g; ++i) {
+        float s = 0.f;
+        for (int64_t j = 0; j < d; ++j) s += f(q[i * d + j]) * f(seg.kt[j * seg.cap + t]);
+        sc[i * ss + t] = s * scale;
+      }
+    if (seg.bias)
+      for (int i = 0; i < g; ++i)
+        for (int64_t t = 0; t < seg.length; ++t) sc[i * ss + t] += seg.bias[t];
+    off += seg.length;
+  }
+  softmax_rows(scores, g, ss, off);
+  weigh_values_bf16(g, d, scores, ss, segs, n, out);
+#endif
+}
+
 // Scores and softmax for g query heads over ``n`` segments into ``scores`` (row stride ``ss``, at least the
 // segments' lengths rounded up to 16 each, plus 16), then the weighted values: one query position's attention.
 // Scores and softmax in float32 (bf16 keys are exact in float32), probabilities rounded to bf16 as SDPA
 // rounds them, the output rounded to bf16 once.
 void attend_group(const bf16* q, int g, int64_t d, const Segment* segs, int n, float scale, bf16* out,
                   float* scores, int64_t ss, float* qf, float* acc) {
+  if (kBf16Attention && d % 32 == 0 && d <= 128) return attend_group_bf16(q, g, d, segs, n, scale, out, scores, ss);
   for (int i = 0; i < g; ++i)
     for (int64_t j = 0; j < d; ++j) qf[i * d + j] = f(q[i * d + j]) * scale;
   int64_t off = 0;
@@ -277,8 +291,17 @@ at::Tensor attention(const at::Tensor& qkv, const c10::optional<at::Tensor>& pre
   // Tasks in row order: the rows of one group are adjacent, so their shared prompt is read from cache.
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(g * ss), qf(g * d), acc(g * d);
+    constexpr int64_t ahead = 2;  // tasks ahead: the next rows' keys and values are fetched while this one computes
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
+      if (ahead && task + ahead < end && length > 0) {
+        const int64_t nb = (task + ahead) / kv_heads, nh = (task + ahead) % kv_heads;
+        const char* kn = reinterpret_cast<const char*>(kp + (nb * kv_heads + nh) * d * cap);
+        const char* vn = reinterpret_cast<const char*>(vp + (nb * kv_heads + nh) * cap * d);
+        for (int64_t j = 0; j < d; ++j)
+          for (int64_t t = 0; t < 2 * length; t += 64) _mm_prefetch(kn + 2 * j * cap + t, _MM_HINT_T0);
+        for (int64_t t = 0; t < 2 * length * d; t += 64) _mm_prefetch(vn + t, _MM_HINT_T0);
+      }
       Segment segs[2];
       int n = 0;
       if (shared) {
