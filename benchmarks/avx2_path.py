@@ -289,7 +289,13 @@ def run_capped_quickstart(args) -> dict:
 
 
 DOC = ROOT / "docs" / "results" / "avx2-path.md"
-START, END = "<!-- avx2-path:start -->", "<!-- avx2-path:end -->"
+
+
+def doc_markers(out: Path) -> tuple[str, str]:
+    """The block of DOC a results file writes: ``avx2-path`` for the default file, ``avx2-path-zen5`` for
+    ``avx2_path_zen5.json`` (another kind of machine, kept beside it)."""
+    name = "avx2-path" if out == DEFAULT_OUT else out.stem.replace("_", "-")
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
 
 
 def tables(result: dict) -> str:
@@ -348,7 +354,7 @@ def main() -> None:
     ap.add_argument("--table", action="store_true", help="only write docs/results/avx2-path.md from --out")
     args = ap.parse_args()
     if args.table:
-        replace_block(DOC, START, END, tables(json.loads(args.out.read_text())), "Results")
+        replace_block(DOC, *doc_markers(args.out), tables(json.loads(args.out.read_text())), "Results")
         return
     if args.worker:  # inside a capped process: one JSON line last
         out = precision_worker() if args.worker == "precision" else decode_worker(args.worker, args.rows,
@@ -358,7 +364,7 @@ def main() -> None:
     result = json.loads(args.out.read_text()) if args.out.exists() else {}
     result["machine"] = machine()
     if args.part in ("decode", "all"):
-        result[decode_key(args)] = run_decode(args)
+        result[decode_key(args)] = {**result.get(decode_key(args), {}), **run_decode(args)}  # other paths kept
     if args.part in ("precision", "all"):
         result["precision_float32_avx2"] = run_precision()
     if args.part in ("quickstart", "all"):
@@ -368,8 +374,7 @@ def main() -> None:
     result["machine"]["load_average_end"] = list(os.getloadavg())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if args.out == DEFAULT_OUT:
-        replace_block(DOC, START, END, tables(result), "Results")
+    replace_block(DOC, *doc_markers(args.out), tables(result), f"Results ({args.out.name})")
 
 
 if __name__ == "__main__":
