@@ -1,8 +1,8 @@
 """Guidance for all-fail groups (docs/guidance.md), measured on the bundled model in two suites:
 
-- ``quickstart``: the quickstart for its 90 steps per arm and seed (``quickstart_seeds.py``, records named
-  ``<arm>-seed<n>`` in benchmarks/results/quickstart_seeds.json), held-out accuracy in float32 overall and on
-  items whose answer is negative (the minus sign the base model almost never writes).
+- ``quickstart``: the quickstart for its steps (``train.steps``) per arm and seed (``quickstart_seeds.py``,
+  records named ``<arm>-seed<n>`` in benchmarks/results/quickstart_seeds.json), held-out accuracy in float32
+  overall and on items whose answer is negative (the minus sign the base model almost never writes).
 - ``tasks``: reasoning-gym tasks that no shipped config is tuned on, at their default difficulty, run as
   ``polyrl train configs/quickstart.yaml`` with only the task swapped (its 7.5-minute training budget),
   held-out accuracy before and after; records in benchmarks/results/guidance.json.
@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from statistics import median
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_block import replace_block  # noqa: E402
 from large_data import machine  # noqa: E402
@@ -33,31 +35,41 @@ QUICKSTART_RESULTS = ROOT / "benchmarks" / "results" / "quickstart_seeds.json"
 RESULTS = ROOT / "benchmarks" / "results" / "guidance.json"
 DOC = ROOT / "docs" / "guidance.md"
 TASKS_DOC = ROOT / "docs" / "results" / "guidance-tasks.md"
+AT_90 = ["train.steps=90"]  # the arms measured when the quickstart took 90 steps keep them
 ARMS = {
-    "today": ["guidance.reference=false"],  # the recipe before guidance
-    "guided-luffy": ["guidance.reference=true", "guidance.shaping_gamma=0.1"],
-    "guided-unshaped": ["guidance.reference=true", "guidance.shaping_gamma=null"],
+    "today": ["guidance.reference=false", *AT_90],  # the recipe before guidance
+    "guided-luffy": ["guidance.reference=true", "guidance.shaping_gamma=0.1", *AT_90],
+    "guided-unshaped": ["guidance.reference=true", "guidance.shaping_gamma=null", *AT_90],
     "guided-unshaped-anneal": ["guidance.reference=true", "guidance.shaping_gamma=null",
-                               "guidance.anneal_steps=60"],
+                               "guidance.anneal_steps=60", *AT_90],
     "guided-selected": ["guidance.reference=true", "guidance.shaping_gamma=null",
-                        "rollout.prompt_selection.candidates=4"],
-    "selected": ["guidance.reference=false", "rollout.prompt_selection.candidates=4"],
-    "guided-hinted": ["guidance.reference=true", "guidance.shaping_gamma=null", "guidance.hint_fraction=0.5"],
+                        "rollout.prompt_selection.candidates=4", *AT_90],
+    "selected": ["guidance.reference=false", "rollout.prompt_selection.candidates=4", *AT_90],
+    "guided-hinted": ["guidance.reference=true", "guidance.shaping_gamma=null", "guidance.hint_fraction=0.5", *AT_90],
     "guided-hinted-selected": ["guidance.reference=true", "guidance.shaping_gamma=null",
-                               "guidance.hint_fraction=0.5", "rollout.prompt_selection.candidates=4"],
-    "recipe": [],  # configs/quickstart.yaml as it ships
+                               "guidance.hint_fraction=0.5", "rollout.prompt_selection.candidates=4", *AT_90],
     "guided-pass-at-4": ["guidance.reference=true", "guidance.shaping_gamma=null",
-                         "algorithm.advantage.estimator=pass_at_k", "algorithm.advantage.kwargs.k=4"],
-    # the quickstart's sampling entropy falls from about 2.8 to 0.1 nats a token over its 90 steps
+                         "algorithm.advantage.estimator=pass_at_k", "algorithm.advantage.kwargs.k=4", *AT_90],
+    # the quickstart's sampling entropy falls from about 2.8 to 0.1 nats a token over 90 steps
     "guided-entropy-0.3": ["guidance.reference=true", "guidance.shaping_gamma=null",
-                           "algorithm.regularisers.entropy_target=0.3"],
+                           "algorithm.regularisers.entropy_target=0.3", *AT_90],
+    # the recipe for fewer steps than it ships with (its learning rate decays to 0 at train.steps either way)
+    "recipe-90-steps": AT_90,
+    "recipe-135-steps": ["train.steps=135"],
+    "recipe": [],  # configs/quickstart.yaml as it ships
 }
 TASKS = ["products", "largest_island", "aiw"]
 
 
+def arm_steps(arm: str) -> int:
+    """The arm's steps: its ``train.steps`` override, else the quickstart's."""
+    shipped = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())["train"]["steps"]
+    return next((int(o.split("=", 1)[1]) for o in ARMS[arm] if o.startswith("train.steps=")), shipped)
+
+
 def run_quickstart(arm: str, seed: int) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "quickstart_seeds.py"), "--name", f"{arm}-seed{seed}",
-           "--steps", "90", "--seed", str(seed), *ARMS[arm]]
+           "--steps", str(arm_steps(arm)), "--seed", str(seed), *ARMS[arm]]
     subprocess.run(cmd, check=True)
 
 
@@ -87,34 +99,35 @@ def _negative(record: dict) -> str:
 
 def quickstart_table() -> str:
     runs = json.loads(QUICKSTART_RESULTS.read_text())["runs"] if QUICKSTART_RESULTS.exists() else []
-    lines = ["| arm | seeds | held-out (each seed) | worst | median | negative answers (each seed) | groups guided |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| arm | seeds | held-out (each seed) | worst | median | negative answers (each seed) | groups guided "
+             "| training (median) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for arm in ARMS:
-        mine = sorted((r for r in runs if r["name"].rsplit("-seed", 1)[0] == arm and r["steps"] == 90),
-                      key=lambda r: r["seed"])
+        latest = {r["seed"]: r for r in runs  # a seed run again: its latest record
+                  if r["name"].rsplit("-seed", 1)[0] == arm and r["steps"] == arm_steps(arm)}
+        mine = [latest[seed] for seed in sorted(latest)]
         if not mine:
             continue
         acc = [100 * r["heldout"]["accuracy"] for r in mine]
-        overrides = " ".join(ARMS[arm])
+        overrides = " ".join(ARMS[arm]) or f"configs/quickstart.yaml as it ships, {arm_steps(arm)} steps"
         seeds = ", ".join(str(r["seed"]) for r in mine)
         each = ", ".join(f"{a:.1f}" for a in acc)
         negative = ", ".join(_negative(r) for r in mine)
         guided = ", ".join(str(r.get("guided_groups", 0)) for r in mine)
+        minutes = median(r["train_time_s"] for r in mine) / 60
         lines.append(f"| {arm} ({overrides}) | {seeds} | {each} % | {min(acc):.1f} % | {median(acc):.1f} % "
-                     f"| {negative} | {guided} |")
+                     f"| {negative} | {guided} | {minutes:.1f} min |")
     return "\n".join(lines)
 
 
 def tasks_table(results: dict) -> str:
     m = results.get("machine", {})
     lines = [f"{m.get('date', '')}; {m.get('cpu_model', '')}, {m.get('cores', '')} cores.", "",
-             "| task | arm | held-out before | after | gain | steps | training | groups guided | zero-gradient steps |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| task | arm | held-out before | after | gain | steps | training | groups guided | zero-gradient steps "
+             "| measured |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results.get("runs", []):
         lines.append(f"| {r['task']} | {r['arm']} | {100 * r['before']:.1f} % | {100 * r['after']:.1f} % | "
                      f"{100 * (r['after'] - r['before']):+.1f} pts | {r['steps']} | {r['train_time_s'] / 60:.1f} min | "
-                     f"{r['guided']:.0f} | "
-                     f"{r['zero_gradient_steps']:.0f} |")
+                     f"{r['guided']:.0f} | {r['zero_gradient_steps']:.0f} | {r['measured_at'][:10]} |")
     return "\n".join(lines)
 
 

@@ -139,6 +139,8 @@ def readme_tables(summary: dict) -> str:
             "| --- | --- | --- | --- | --- |"]
     wrap = partial(textwrap.fill, width=115, break_on_hyphens=False)
     trl_steps = statistics.median(r["steps"] for r in summary["trl_best"].values())
+    recipe_steps = statistics.median(r["steps"] for r in summary["polyrl_recipe"].values())
+    like_steps = statistics.median(r["steps"] for r in summary["polyrl_like_for_like"].values())
     lines = [
         wrap("Like for like: TRL's algorithm settings on both sides (one sampling round, no guidance, clip 0.2 "
              f"both ways, Adam's default betas) at TRL's best learning rate, {best_trl_lr(summary):g}:"), "", *head,
@@ -147,7 +149,8 @@ def readme_tables(summary: dict) -> str:
              "dynamic sampling, reference guidance):"), "", *head, row("trl_best", None),
         row("polyrl_recipe", trl_step), "",
         wrap(f"{len(summary['trl_best'])} seeds per arm, a budget of {summary.get('minutes', 7.5):g} minutes of "
-             f"training each (TRL's schedule ends at step {trl_steps:.0f}, polyrl's at 90); held-out accuracy before "
+             f"training each (TRL's schedule ends at step {trl_steps:.0f}, polyrl's at {like_steps:.0f} like for like "
+             f"and {recipe_steps:.0f} in its recipe); held-out accuracy before "
              f"training {100 * next(iter(summary['trl_best'].values()))['accuracy_before']:.1f} %. "
              f"Machine: {'; '.join(machines)}, no GPU.")]
     if summary.get("avx2_trl_best") and summary.get("avx2_polyrl_like_for_like"):
