@@ -13,19 +13,11 @@
 #include <cstring>
 
 #include "kernels_common.h"
+#include "attention_common.h"
 
 namespace polyrl_native {
 
-// A stretch of keys and values one query attends to: ``kt`` [d, cap] (transposed keys), ``v`` [cap, d], its
-// first ``length`` positions, and ``bias`` (0 or -inf per position) or none (all visible). A row's attention
-// may span two: the prompt its group shares, stored once, and its own generated positions.
-struct Segment {
-  const bf16* kt;
-  const bf16* v;
-  int64_t cap;
-  int64_t length;
-  const float* bias;
-};
+using Segment = KVSegment<bf16>;
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
 constexpr bool kBf16Attention = true;
@@ -98,16 +90,7 @@ int64_t scores_bf16_g(const bf16* q, int64_t d, const Segment& seg, float scale,
 
 inline int64_t scores_bf16(int g, const bf16* q, int64_t d, const Segment& seg, float scale, float* scores,
                            int64_t ss) {
-  switch (g) {
-    case 1: return scores_bf16_g<1>(q, d, seg, scale, scores, ss);
-    case 2: return scores_bf16_g<2>(q, d, seg, scale, scores, ss);
-    case 3: return scores_bf16_g<3>(q, d, seg, scale, scores, ss);
-    case 4: return scores_bf16_g<4>(q, d, seg, scale, scores, ss);
-    case 5: return scores_bf16_g<5>(q, d, seg, scale, scores, ss);
-    case 6: return scores_bf16_g<6>(q, d, seg, scale, scores, ss);
-    case 7: return scores_bf16_g<7>(q, d, seg, scale, scores, ss);
-    default: return scores_bf16_g<8>(q, d, seg, scale, scores, ss);
-  }
+  return with_heads(g, [&](auto G) { return scores_bf16_g<decltype(G)::value>(q, d, seg, scale, scores, ss); });
 }
 
 // out[i] = sum over the segments' positions t of p[i, t] v[t] for G heads and head_dim NC * 32, two positions a

@@ -4,6 +4,7 @@
 
 #include "attention_bf16.h"
 #include "f32_kernels.h"
+#include "attention_common.h"
 #include "kernels_common.h"
 
 namespace {
@@ -88,16 +89,7 @@ int64_t scores16_g(const float* qf, int64_t d, const Segment& seg, float* scores
 }
 
 int64_t scores16(int g, const float* qf, int64_t d, const Segment& seg, float* scores, int64_t ss) {
-  switch (g) {
-    case 1: return scores16_g<1>(qf, d, seg, scores, ss);
-    case 2: return scores16_g<2>(qf, d, seg, scores, ss);
-    case 3: return scores16_g<3>(qf, d, seg, scores, ss);
-    case 4: return scores16_g<4>(qf, d, seg, scores, ss);
-    case 5: return scores16_g<5>(qf, d, seg, scores, ss);
-    case 6: return scores16_g<6>(qf, d, seg, scores, ss);
-    case 7: return scores16_g<7>(qf, d, seg, scores, ss);
-    default: return scores16_g<8>(qf, d, seg, scores, ss);
-  }
+  return with_heads(g, [&](auto G) { return scores16_g<decltype(G)::value>(qf, d, seg, scores, ss); });
 }
 
 // out[i] = sum over the segments' positions t of p[i, t] v[t], for G heads and head_dim NV * 16, the sums in
@@ -125,16 +117,7 @@ void weigh_values_g(const float* p, int64_t ss, const Segment* segs, int n, bf16
 
 template <int NV>
 void weigh_values_nv(int g, const float* p, int64_t ss, const Segment* segs, int n, bf16* out) {
-  switch (g) {
-    case 1: return weigh_values_g<1, NV>(p, ss, segs, n, out);
-    case 2: return weigh_values_g<2, NV>(p, ss, segs, n, out);
-    case 3: return weigh_values_g<3, NV>(p, ss, segs, n, out);
-    case 4: return weigh_values_g<4, NV>(p, ss, segs, n, out);
-    case 5: return weigh_values_g<5, NV>(p, ss, segs, n, out);
-    case 6: return weigh_values_g<6, NV>(p, ss, segs, n, out);
-    case 7: return weigh_values_g<7, NV>(p, ss, segs, n, out);
-    default: return weigh_values_g<8, NV>(p, ss, segs, n, out);
-  }
+  return with_heads(g, [&](auto G) { return weigh_values_g<decltype(G)::value, NV>(p, ss, segs, n, out); });
 }
 
 // The vectorised weighting for head_dim 64 or 128; false for other widths (the caller's loop does them).

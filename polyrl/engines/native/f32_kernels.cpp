@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "attention_common.h"
 
 namespace polyrl_native::f32 {
 
@@ -163,15 +164,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 namespace {
 
-// A stretch of keys and values one query attends to (as in attention_kernel.cpp): ``kt`` [d, cap] (transposed
-// keys), ``v`` [cap, d], the first ``length`` positions, ``bias`` (0 or -inf per position) or none.
-struct Segment {
-  const float* kt;
-  const float* v;
-  int64_t cap;
-  int64_t length;
-  const float* bias;
-};
+using Segment = KVSegment<float>;
 
 inline int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
@@ -194,16 +187,7 @@ int64_t scores_g(const float* qf, int64_t d, const Segment& seg, float* scores, 
 }
 
 int64_t scores(int g, const float* qf, int64_t d, const Segment& seg, float* sc, int64_t ss) {
-  switch (g) {
-    case 1: return scores_g<1>(qf, d, seg, sc, ss);
-    case 2: return scores_g<2>(qf, d, seg, sc, ss);
-    case 3: return scores_g<3>(qf, d, seg, sc, ss);
-    case 4: return scores_g<4>(qf, d, seg, sc, ss);
-    case 5: return scores_g<5>(qf, d, seg, sc, ss);
-    case 6: return scores_g<6>(qf, d, seg, sc, ss);
-    case 7: return scores_g<7>(qf, d, seg, sc, ss);
-    default: return scores_g<8>(qf, d, seg, sc, ss);
-  }
+  return with_heads(g, [&](auto G) { return scores_g<decltype(G)::value>(qf, d, seg, sc, ss); });
 }
 
 // Softmax of each of the g score rows (``stride`` apart, ``length`` used) in place. Masked scores are -inf.
@@ -267,16 +251,7 @@ void weigh_values_heads(const float* p, int64_t ss, const Segment* segs, int n, 
 }
 
 void weigh_values(int g, const float* p, int64_t ss, const Segment* segs, int n, int64_t d, float* out) {
-  switch (g) {
-    case 1: return weigh_values_heads<1>(p, ss, segs, n, d, out);
-    case 2: return weigh_values_heads<2>(p, ss, segs, n, d, out);
-    case 3: return weigh_values_heads<3>(p, ss, segs, n, d, out);
-    case 4: return weigh_values_heads<4>(p, ss, segs, n, d, out);
-    case 5: return weigh_values_heads<5>(p, ss, segs, n, d, out);
-    case 6: return weigh_values_heads<6>(p, ss, segs, n, d, out);
-    case 7: return weigh_values_heads<7>(p, ss, segs, n, d, out);
-    default: return weigh_values_heads<8>(p, ss, segs, n, d, out);
-  }
+  return with_heads(g, [&](auto G) { return weigh_values_heads<decltype(G)::value>(p, ss, segs, n, d, out); });
 }
 
 // One query position of g heads over ``n`` segments: scores (scaled queries times keys), bias, softmax, the
