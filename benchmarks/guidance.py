@@ -57,6 +57,7 @@ ARMS = {
     "recipe-90-steps": AT_90,
     "recipe-135-steps": ["train.steps=135"],
     "recipe": [],  # configs/quickstart.yaml as it ships
+    "recipe-unguided": ["guidance.reference=false"],  # what guidance adds to it
 }
 TASKS = ["products", "largest_island", "aiw"]
 
