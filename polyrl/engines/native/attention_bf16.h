@@ -65,7 +65,8 @@ int64_t scores_bf16_g(const bf16* q, int64_t d, const Segment& seg, float scale,
       _mm512_storeu_ps(scores + i * ss + t0 + 16, _mm512_mul_ps(second, sv));
     }
   }
-  const __m256i first8 = _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11), second8 = _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15);
+  const __m256i first8 = _mm256_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11);
+  const __m256i second8 = _mm256_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15);
   for (; t0 + 16 <= seg.cap && t0 < seg.length; t0 += 16) {
     __m256 lo[G], hi[G];
     for (int i = 0; i < G; ++i) lo[i] = hi[i] = _mm256_setzero_ps();
