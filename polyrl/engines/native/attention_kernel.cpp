@@ -23,7 +23,8 @@ void softmax_rows(float* scores, int g, int64_t stride, int64_t length) {
       return length - t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (length - t)) - 1);
     };
     __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t t = 0; t < length; t += 16) mv = _mm512_mask_max_ps(mv, lanes(t), mv, _mm512_maskz_loadu_ps(lanes(t), s + t));
+    for (int64_t t = 0; t < length; t += 16)
+      mv = _mm512_mask_max_ps(mv, lanes(t), mv, _mm512_maskz_loadu_ps(lanes(t), s + t));
     const __m512 mm = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
     __m512 sv = _mm512_setzero_ps();
     for (int64_t t = 0; t < length; t += 16) {
