@@ -130,53 +130,36 @@ bool weigh_values(int g, int64_t d, const float* p, int64_t ss, const Segment* s
 }
 #endif
 
-// attend_group on `vdpbf16ps` (attention_bf16.h): scores (q . k) x scale, the softmax as below, the values
-// weighed by the bf16 probabilities; head_dim a multiple of 32, at most 128.
-void attend_group_bf16(const bf16* q, int g, int64_t d, const Segment* segs, int n, float scale, bf16* out,
-                       float* scores, int64_t ss) {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-  int64_t off = 0;
-  for (int k = 0; k < n; ++k) {
-    const Segment& seg = segs[k];
-    float* sc = scores + off;
-    for (int64_t t = scores_bf16(g, q, d, seg, scale, sc, ss); t < seg.length; ++t)
-      for (int i = 0; i < g; ++i) {
-        float s = 0.f;
-        for (int64_t j = 0; j < d; ++j) s += f(q[i * d + j]) * f(seg.kt[j * seg.cap + t]);
-        sc[i * ss + t] = s * scale;
-      }
-    if (seg.bias)
-      for (int i = 0; i < g; ++i)
-        for (int64_t t = 0; t < seg.length; ++t) sc[i * ss + t] += seg.bias[t];
-    off += seg.length;
-  }
-  softmax_rows(scores, g, ss, off);
-  weigh_values_bf16(g, d, scores, ss, segs, n, out);
-#endif
-}
-
 // Scores and softmax for g query heads over ``n`` segments into ``scores`` (row stride ``ss``, at least the
 // segments' lengths rounded up to 16 each, plus 16), then the weighted values: one query position's attention.
 // Scores and softmax in float32 (bf16 keys are exact in float32), probabilities rounded to bf16 as SDPA
-// rounds them, the output rounded to bf16 once.
+// rounds them, the output rounded to bf16 once. With AVX512-BF16 and head_dim a multiple of 32 up to 128 the
+// scores (q . k) x scale and the weighted values run on `vdpbf16ps` (attention_bf16.h); otherwise on the
+// queries scaled and widened to float32 (``qf``).
 void attend_group(const bf16* q, int g, int64_t d, const Segment* segs, int n, float scale, bf16* out,
                   float* scores, int64_t ss, float* qf, float* acc) {
-  if (kBf16Attention && d % 32 == 0 && d <= 128) return attend_group_bf16(q, g, d, segs, n, scale, out, scores, ss);
-  for (int i = 0; i < g; ++i)
-    for (int64_t j = 0; j < d; ++j) qf[i * d + j] = f(q[i * d + j]) * scale;
+  const bool dot_bf16 = kBf16Attention && d % 32 == 0 && d <= 128;
+  if (!dot_bf16)
+    for (int i = 0; i < g; ++i)
+      for (int64_t j = 0; j < d; ++j) qf[i * d + j] = f(q[i * d + j]) * scale;
   int64_t off = 0;
   for (int k = 0; k < n; ++k) {
     const Segment& seg = segs[k];
     float* sc = scores + off;
     int64_t t0 = 0;
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+    if (dot_bf16) t0 = scores_bf16(g, q, d, seg, scale, sc, ss);
+    else
+#endif
 #ifdef __AVX512F__
-    t0 = scores16(g, qf, d, seg, sc, ss);
+      t0 = scores16(g, qf, d, seg, sc, ss);
 #endif
     for (int64_t t = t0; t < seg.length; ++t)
       for (int i = 0; i < g; ++i) {
         float s = 0.f;
-        for (int64_t j = 0; j < d; ++j) s += qf[i * d + j] * f(seg.kt[j * seg.cap + t]);
-        sc[i * ss + t] = s;
+        for (int64_t j = 0; j < d; ++j)
+          s += (dot_bf16 ? f(q[i * d + j]) : qf[i * d + j]) * f(seg.kt[j * seg.cap + t]);
+        sc[i * ss + t] = dot_bf16 ? s * scale : s;
       }
     if (seg.bias)
       for (int i = 0; i < g; ++i)
@@ -184,6 +167,9 @@ void attend_group(const bf16* q, int g, int64_t d, const Segment* segs, int n, f
     off += seg.length;
   }
   softmax_rows(scores, g, ss, off);
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  if (dot_bf16) return weigh_values_bf16(g, d, scores, ss, segs, n, out);
+#endif
 #ifdef __AVX512F__
   if (weigh_values(g, d, scores, ss, segs, n, out)) return;
 #endif
@@ -278,7 +264,7 @@ at::Tensor attention(const at::Tensor& qkv, const c10::optional<at::Tensor>& pre
     constexpr int64_t ahead = 2;  // tasks ahead: the next rows' keys and values are fetched while this one computes
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / kv_heads, h = task % kv_heads;
-      if (ahead && task + ahead < end && length > 0) {
+      if (task + ahead < end && length > 0) {
         const int64_t nb = (task + ahead) / kv_heads, nh = (task + ahead) % kv_heads;
         const char* kn = reinterpret_cast<const char*>(kp + (nb * kv_heads + nh) * d * cap);
         const char* vn = reinterpret_cast<const char*>(vp + (nb * kv_heads + nh) * cap * d);
