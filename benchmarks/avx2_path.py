@@ -292,9 +292,9 @@ DOC = ROOT / "docs" / "results" / "avx2-path.md"
 
 
 def doc_markers(out: Path) -> tuple[str, str]:
-    """The block of DOC a results file writes: ``avx2-path`` for the default file, ``avx2-path-zen5`` for
-    ``avx2_path_zen5.json`` (another kind of machine, kept beside it)."""
-    name = "avx2-path" if out == DEFAULT_OUT else out.stem.replace("_", "-")
+    """The block of DOC a results file writes, named after it: ``avx2-path`` for ``avx2_path.json``,
+    ``avx2-path-zen5`` for ``avx2_path_zen5.json`` (another kind of machine, kept beside it)."""
+    name = out.stem.replace("_", "-")
     return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
 
 
@@ -374,7 +374,8 @@ def main() -> None:
     result["machine"]["load_average_end"] = list(os.getloadavg())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    replace_block(DOC, *doc_markers(args.out), tables(result), f"Results ({args.out.name})")
+    if doc_markers(args.out)[0] in DOC.read_text():  # a results file with a block of its own; a scratch one not
+        replace_block(DOC, *doc_markers(args.out), tables(result), f"Results ({args.out.name})")
 
 
 if __name__ == "__main__":
