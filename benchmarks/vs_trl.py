@@ -81,7 +81,7 @@ def worker_polyrl(args) -> dict:
     if args.like_for_like:  # TRL GRPOConfig's algorithm: one sampling round, no guidance, clip 0.2 both ways, its Adam
         overrides += ["algorithm.sampling.dynamic=false", "guidance.reference=false", "algorithm.loss.clip_high=0.2",
                       "optim.betas=[0.9,0.999]",
-                      "train.steps=90"]  # the schedule these arms were measured with, before the recipe took 180
+                      "train.steps=90"]  # the schedule these arms were measured with (the recipe's is longer)
     if args.polyrl_lr is not None:
         overrides.append(f"optim.lr={args.polyrl_lr}")
     if args.polyrl_fp32:

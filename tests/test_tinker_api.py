@@ -330,9 +330,9 @@ def test_the_head_runs_on_the_datums_positions_not_the_padding(monkeypatch):
         tokens = list(range(5, 5 + n + 1))
         weights = torch.tensor([0.0, 0.0] + [1.0] * (n - 2))
         data.append(Datum(tokens=tokens[:-1], inputs={"target_tokens": torch.tensor(tokens[1:]), "weights": weights}))
-    logprobs = passes.datum_logprobs(model, data, [2, 2, 2], bf16=False, pad_id=0, grad=True)
+    got = passes.datum_logprobs(model, data, [2, 2, 2], bf16=False, pad_id=0, grad=True)
     assert rows == [(1, 15)]  # the pass with gradients (the prefix's gradient-free pass is passes' own call)
-    for datum, lp in zip(data, logprobs, strict=True):
+    for datum, lp in zip(data, got, strict=True):
         full = torch.log_softmax(model(torch.tensor([datum.tokens])).logits[0].float(), -1)
         want = full.gather(-1, datum.inputs["target_tokens"][:, None])[:, 0]
         torch.testing.assert_close(lp, want, rtol=1e-5, atol=1e-5)
