@@ -1,5 +1,6 @@
 """The learner's loss terms on a micro-batch worked out by hand, and the resume point shared by RL and SFT."""
 
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from polyrl.learner.loss_terms import (
     guidance_term,
     kl_term,
     policy_term,
+    success_sft_term,
     value_term,
 )
 
@@ -46,7 +48,8 @@ def test_each_term_worked_by_hand():
     # without a critic or a teacher those terms are absent
     assert value_term(algo, x).loss is None and distill_term(algo, x).loss is None
     assert guidance_term(algo, x).loss is None  # no reference rows
-    assert (policy_term, guidance_term, entropy_term, distill_term, kl_term, value_term) == LOSS_TERMS
+    assert success_sft_term(algo, x).loss is None  # sft_coef 0
+    assert (policy_term, guidance_term, success_sft_term, entropy_term, distill_term, kl_term, value_term) == LOSS_TERMS
     total = sum(t.loss for t in (term(algo, x) for term in LOSS_TERMS) if t.loss is not None)
     assert float(total) == pytest.approx(-0.75 - 0.05 - 0.2 * math.log(2))
 
@@ -69,3 +72,21 @@ def test_resume_point_skips_partial_saves_and_says_when_there_is_none(tmp_path):
     partial.mkdir()
     checkpoint_to_resume(tmp_path, clean=False, log=said.append)  # a rank that does not own the run
     assert partial.exists()
+
+
+@pytest.mark.parametrize(("agg", "want"), [
+    # row 0 succeeded (reward 1), row 1 did not: only row 0's three tokens count, each -log(1/4) = log 4.
+    ("token-mean", 3 * math.log(4) / 6),  # over every loss token of the batch (6)
+    ("seq-mean-token-mean", (math.log(4) + 0.0) / 2),  # row 0's mean, row 1's zero, over the two rows
+    ("seq-mean-token-sum", (3 * math.log(4) + 0.0) / 2),
+])
+def test_sft_on_successes_counts_only_rows_at_the_reward_threshold(agg, want):
+    algo = AlgorithmConfig(loss={"agg": agg}, regularisers={"sft_coef": 0.5, "sft_min_reward": 1.0})
+    x = dataclasses.replace(_inputs(), rewards=torch.tensor([1.0, 0.0]))
+    term = success_sft_term(algo, x)
+    assert float(term.loss) == pytest.approx(0.5 * want)
+    assert term.logged == {"loss/sft": pytest.approx(want)} and term.metrics == {"sft/success_share": 0.5}
+    # a higher bar leaves no success: the term is zero, not absent (the weight is on)
+    higher = AlgorithmConfig(loss={"agg": agg}, regularisers={"sft_coef": 0.5, "sft_min_reward": 1.5})
+    none = success_sft_term(higher, x)
+    assert float(none.loss) == 0.0 and none.metrics == {"sft/success_share": 0.0}

@@ -80,3 +80,16 @@ def test_only_losses_linear_in_the_advantage_skip(monkeypatch):
     learner.algo.loss = "shifted_test_loss"
     metrics = learner.update(_trajs([0.0] * 4))
     assert metrics["zero_gradient"] == 0.0 and metrics["grad_norm"] > 0
+
+
+def test_sft_on_successes_trains_groups_that_all_succeeded():
+    # every sample of both groups succeeded: zero advantages, yet SFT on successes has a gradient
+    learner = _learner(regularisers={"track_kl": False, "sft_coef": 1.0})
+    passed = _trajs([0.0] * 4)
+    for t in passed:
+        t.reward = 1.0
+    metrics = learner.update(passed)
+    assert metrics["zero_gradient"] == 0.0 and metrics["grad_norm"] > 0 and metrics["loss/sft"] > 0
+    # below the bar nothing is a success: the passes run (the term is on) and the gradient is exactly 0
+    failed = _learner(regularisers={"track_kl": False, "sft_coef": 1.0}).update(_trajs([0.0] * 4))
+    assert failed["zero_gradient"] == 0.0 and failed["grad_norm"] == 0.0 and failed["loss/sft"] == 0.0

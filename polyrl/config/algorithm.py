@@ -95,7 +95,8 @@ class OffPolicyConfig(_Strict):
 
 
 class RegularisersConfig(_Strict):
-    """Terms beside the policy loss: KL to the initial policy, the entropy bonus, distillation to teachers."""
+    """Terms beside the policy loss: KL to the initial policy, the entropy bonus, distillation to teachers, SFT on
+    successes."""
 
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the initial policy; 0 is no penalty."""
@@ -120,6 +121,12 @@ class RegularisersConfig(_Strict):
     distill_coef: float = Field(0.0, ge=0)
     """Weight of the per-token reverse KL to each task's teacher (tasks[].teacher, docs/multidomain.md);
     0 is off."""
+    sft_coef: float = Field(0.0, ge=0)
+    """Weight of a supervised term on the batch's successes, interleaved with RL (RAFT, SRFT): the negative
+    log-likelihood of the tokens of every row whose reward reaches ``sft_min_reward`` (the policy's own
+    successes, replayed ones and guidance's references), aggregated as the policy loss is; 0 is off."""
+    sft_min_reward: float = 1.0
+    """With ``sft_coef``, the reward at or above which a row is a success."""
 
     @model_validator(mode="after")
     def _check_entropy_control(self) -> RegularisersConfig:

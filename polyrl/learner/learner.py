@@ -279,9 +279,10 @@ class Learner:
                 add_sums(metrics.mismatch, mismatch_sums(old_logp, mb.behaviour_logp, own, band))
             teacher_logits, teacher_rows = self._teacher_logits(mb, logits, [plan.tasks[i] for i in c.tolist()])
             x = LossInputs(mb, logp, entropy, values, logits, ref_logp, old_values, advantages, teacher_logits,
-                           teacher_rows, plan.num_tokens, share, anchor_topk, self.shaping_gamma, self.entropy_coef)
+                           teacher_rows, plan.num_tokens, share, anchor_topk, self.shaping_gamma, self.entropy_coef,
+                           plan.rewards[c])
             terms = [term(algo, x) for term in LOSS_TERMS]
-            loss = sum(t.loss for t in terms if t.loss is not None)  # policy + entropy + distill + KL + value
+            loss = sum(t.loss for t in terms if t.loss is not None)  # the terms that are on, in LOSS_TERMS order
             loss.backward()
             if plan.real[k]:
                 metrics.add_pass(float(loss.detach()), {key: v for t in terms for key, v in t.logged.items()},
@@ -327,7 +328,7 @@ class Learner:
     def _gradient_is_zero(self, batch: Batch) -> bool:
         """True when the loss is 0 whatever the weights: every advantage is 0 (e.g. dynamic sampling found no
         group whose rewards differ), the loss weights each token by its advantage, and no other term is on
-        (entropy bonus, KL in the loss or the reward, KL tracking, critic, distillation). GRPO-style runs
+        (entropy bonus, KL in the loss or the reward, KL tracking, critic, distillation, SFT). GRPO-style runs
         reach this often late in training, when every group agrees. Holding the entropy at a target
         (``entropy_target``) needs it measured every step, so such runs always take the passes."""
         algo = self.algo
@@ -335,7 +336,7 @@ class Learner:
             algo.loss.name in ADVANTAGE_WEIGHTED and not bool(batch.advantages.any())
             and self.entropy_coef == 0 and algo.regularisers.entropy_target is None
             and not self.wants_reference and self.value_head is None
-            and not (self.teachers and algo.regularisers.distill_coef > 0)
+            and not (self.teachers and algo.regularisers.distill_coef > 0) and algo.regularisers.sft_coef == 0
         )
 
     def _step_on_zero_gradient(self) -> dict[str, float]:

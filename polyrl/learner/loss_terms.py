@@ -1,7 +1,7 @@
 """The learner's loss, term by term: each a pure function of one micro-batch's forward pass (``LossInputs``)
 returning its weighted loss, its logged part of the batch loss, and its metrics. The micro-batch's loss is
-their sum, in the order of ``LOSS_TERMS``: policy gradient + reference guidance + entropy bonus + distillation +
-KL + value."""
+their sum, in the order of ``LOSS_TERMS``: policy gradient + reference guidance + SFT on successes + entropy
+bonus + distillation + KL + value."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from polyrl.algorithms.distill import reverse_kl_loss
 from polyrl.algorithms.gae import value_loss
 from polyrl.algorithms.guidance import shaped_reference_loss
 from polyrl.algorithms.losses import PolicyLossInputs
+from polyrl.algorithms.success_sft import success_nll_loss
 from polyrl.config import AlgorithmConfig
 from polyrl.learner.advantage_stage import TokenAdvantages
 from polyrl.learner.batch import Batch
@@ -52,6 +53,8 @@ class LossInputs:
     entropy_coef: float | None = None
     """The entropy bonus's weight this step: the learner's, which ``regularisers.entropy_target`` moves; None:
     ``regularisers.entropy_coef``."""
+    rewards: torch.Tensor | None = None
+    """[B] the rows' rewards, which ``regularisers.sft_coef`` reads."""
 
 
 class Term(NamedTuple):
@@ -85,6 +88,17 @@ def guidance_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
     g_loss, metrics = shaped_reference_loss(x.logp, adv.advantages, adv.guided_mask, x.shaping_gamma,
                                             algo.loss.agg, x.num_tokens)
     return Term(algo.loss.pg_coef * g_loss * x.share, {"loss/guidance": float(g_loss.detach()) * x.share}, metrics)
+
+
+def success_sft_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
+    """SFT on the batch's successes (``regularisers.sft_coef``, RAFT / SRFT): the negative log-likelihood of the
+    tokens of rows whose reward reaches ``sft_min_reward``, references included."""
+    reg = algo.regularisers
+    if reg.sft_coef == 0 or x.rewards is None:
+        return Term(None, {}, {})
+    s_loss, metrics = success_nll_loss(x.logp, x.rewards, x.mb.loss_mask, reg.sft_min_reward, algo.loss.agg,
+                                       x.num_tokens)
+    return Term(reg.sft_coef * s_loss * x.share, {"loss/sft": float(s_loss.detach()) * x.share}, metrics)
 
 
 def entropy_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
@@ -135,6 +149,6 @@ def value_term(algo: AlgorithmConfig, x: LossInputs) -> Term:
 
 
 LOSS_TERMS: tuple[Callable[[AlgorithmConfig, LossInputs], Term], ...] = (
-    policy_term, guidance_term, entropy_term, distill_term, kl_term, value_term,
+    policy_term, guidance_term, success_sft_term, entropy_term, distill_term, kl_term, value_term,
 )
 """The loss of a micro-batch is the sum of these terms, in this order."""
