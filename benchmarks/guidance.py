@@ -58,6 +58,9 @@ ARMS = {
     "recipe-135-steps": ["train.steps=135"],
     "recipe": [],  # configs/quickstart.yaml as it ships
     "recipe-unguided": ["guidance.reference=false"],  # what guidance adds to it
+    "recipe-sft": ["algorithm.regularisers.sft_coef=0.1"],  # SFT on the batch's successes on top of it
+    "recipe-luffy": ["guidance.shaping_gamma=0.1"],  # LUFFY's shaping of the reference instead of none
+    "recipe-anneal": ["guidance.anneal_steps=120"],  # HAPO's annealing: no references after two thirds
 }
 TASKS = ["products", "largest_island", "aiw"]
 
