@@ -143,8 +143,11 @@ def worker(spec_path: Path) -> int:
             traceback.print_exc()
             record = {"error": f"{type(exc).__name__}: {' '.join(str(exc).split())}"[:300]}
         if setup.device.type == "cuda":
-            record["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated(setup.device) / 2**30, 2)
-            record["peak_gpu_reserved_gib"] = round(torch.cuda.max_memory_reserved(setup.device) / 2**30, 2)
+            # A part that resets the peaks inside itself (trl, for TRL's own beside polyrl's) returns the peaks
+            # from before its reset under the same keys: the part's peak is the larger.
+            for key, peak in (("peak_gpu_gib", torch.cuda.max_memory_allocated(setup.device)),
+                              ("peak_gpu_reserved_gib", torch.cuda.max_memory_reserved(setup.device))):
+                record[key] = round(max(peak / 2**30, record.get(key) or 0.0), 2)
         record["peak_host_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
         with open(spec["events"], "a") as events:
             events.write(json.dumps({"part": part["name"], "record": record}) + "\n")

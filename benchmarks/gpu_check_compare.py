@@ -25,13 +25,16 @@ from gpu_check_parts import (
 )
 
 
-def _peak_gib(device: torch.device) -> float | None:
-    """The peak GPU memory torch allocated since the last reset, then reset (None on the CPU)."""
+def _peaks(device: torch.device, reset: bool) -> dict[str, float | None]:
+    """The peak GPU memory torch allocated and reserved since the last reset, in GiB, under the keys the worker
+    records a part's peaks by (empty on the CPU); ``reset`` starts a new measurement from here."""
     if device.type != "cuda":
-        return None
-    peak = torch.cuda.max_memory_allocated(device) / GIB
-    torch.cuda.reset_peak_memory_stats(device)
-    return _r(peak, 3)
+        return {}
+    peaks = {"peak_gpu_gib": _r(torch.cuda.max_memory_allocated(device) / GIB, 3),
+             "peak_gpu_reserved_gib": _r(torch.cuda.max_memory_reserved(device) / GIB, 3)}
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
+    return peaks
 
 
 def trl_ratio(setup: Setup, size: str, prompts: int, group_size: int, prompt_len: int, new_tokens: int,
@@ -55,7 +58,9 @@ def trl_ratio(setup: Setup, size: str, prompts: int, group_size: int, prompt_len
 
     polyrl_times = _polyrl_steps(setup, size, prompt_ids, prompts, group_size, new_tokens, micro_batch)
     gc.collect()  # polyrl's model and optimizer are gone before TRL builds its own
-    polyrl_peak = _peak_gib(device)
+    # polyrl's peaks, then a new measurement for TRL's own. The part's peak is the larger: polyrl's are returned
+    # under the worker's keys, and the worker keeps the larger of them and its own reading (TRL's).
+    polyrl_peaks = _peaks(device, reset=True)
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
@@ -89,13 +94,14 @@ def trl_ratio(setup: Setup, size: str, prompts: int, group_size: int, prompt_len
                           args=config, train_dataset=Dataset.from_list([{"prompt": t} for t in texts]),
                           processing_class=tok, callbacks=[clock])
     trainer.train()
-    trl_peak = _peak_gib(device)
+    trl_peaks = _peaks(device, reset=False)
     polyrl_s = statistics.median(polyrl_times[1:] or polyrl_times)
     trl_s = statistics.median(clock.times[1:] or clock.times)
     ratio = trl_s / polyrl_s
     return {"trl": trl_version, "rows": rows, "new_tokens": new_tokens, "steps": steps,
             "polyrl_step_s": _r(polyrl_s), "trl_step_s": _r(trl_s), "trl_over_polyrl": _r(ratio, 3),
-            "polyrl_peak_gpu_gib": polyrl_peak, "trl_peak_gpu_gib": trl_peak,
+            "polyrl_peak_gpu_gib": polyrl_peaks.get("peak_gpu_gib"), "trl_peak_gpu_gib": trl_peaks.get("peak_gpu_gib"),
+            **polyrl_peaks,
             "summary": f"TRL {trl_version} {trl_s:.2f} s a step, polyrl {polyrl_s:.2f} s ({rows} rows, "
                        f"{new_tokens} new): TRL takes {ratio:.2f}x polyrl's time"}
 
