@@ -37,7 +37,8 @@ TF32 off): summation order differs, so bit-equality is not expected."""
 GIB = 2**30
 
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (the sparsity figures halved), by a part of the device name.
-BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0))
+BF16_PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200 NVL", 835.5),
+                    ("H200", 989.4), ("A100", 312.0))
 
 
 class CheckFailed(AssertionError):
