@@ -1,4 +1,4 @@
-"""Guidance for all-fail groups (docs/guidance.md), measured on the bundled model in two suites:
+"""Guidance for all-fail groups (docs/guidance.md), measured on the bundled model in three suites:
 
 - ``quickstart``: the quickstart for its steps (``train.steps``) per arm and seed (``quickstart_seeds.py``,
   records named ``<arm>-seed<n>`` in benchmarks/results/quickstart_seeds.json), held-out accuracy in float32
@@ -6,10 +6,17 @@
 - ``tasks``: reasoning-gym tasks that no shipped config is tuned on, at their default difficulty, run as
   ``polyrl train configs/quickstart.yaml`` with only the task swapped (its 7.5-minute training budget),
   held-out accuracy before and after; records in benchmarks/results/guidance.json.
+- ``strata``: a task's arm for all of its steps, then accuracy by difficulty stratum (below).
 
     python benchmarks/guidance.py quickstart --arms today guided-luffy guided-unshaped --seeds 0 1 2
     python benchmarks/guidance.py tasks --arms today guided-unshaped --tasks products aiw
+    python benchmarks/guidance.py strata --arms recipe --tasks products   # accuracy by difficulty, before and after
     python benchmarks/guidance.py table          # the docs' tables again, from the results files
+
+``strata`` trains as ``tasks`` does but for all of the arm's steps (no time budget: the same result under any
+load), keeps the trained model and measures it and the base model on each difficulty stratum of the task
+(``STRATA``: products by the factors' digit count), 100 held-out items each: where the gain came from, and
+what the task leaves to learn.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ ARMS = {
     "recipe-anneal": ["guidance.anneal_steps=120"],  # HAPO's annealing: no references after two thirds
 }
 TASKS = ["products", "largest_island", "aiw"]
+# A task's difficulty strata: its default draws each of these equally often.
+STRATA = {"products": {f"{d}-digit factors": {"min_digits": d, "max_digits": d} for d in range(1, 6)}}
 
 
 def arm_steps(arm: str) -> int:
@@ -77,10 +86,10 @@ def run_quickstart(arm: str, seed: int) -> None:
     subprocess.run(cmd, check=True)
 
 
-def run_task(arm: str, task: str, seed: int, workdir: Path) -> dict:
+def run_task(arm: str, task: str, seed: int, workdir: Path, extra: tuple[str, ...] = ()) -> dict:
     out = workdir / f"{task}-{arm}-{seed}"
     cmd = ["polyrl", "train", str(ROOT / "configs" / "quickstart.yaml"), f"tasks.0.name={task}", "tasks.0.params={}",
-           f"train.seed={seed}", "logging.progress=false", *ARMS[arm], "-o", str(out)]
+           f"train.seed={seed}", "logging.progress=false", *ARMS[arm], *extra, "-o", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -95,6 +104,36 @@ def run_task(arm: str, task: str, seed: int, workdir: Path) -> dict:
         "zero_gradient_steps": sum(r.get("zero_gradient", 0) for r in rows),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
+
+
+def stratum_accuracy(model: str, task: str, params: dict, seed: int) -> float:
+    """Greedy accuracy of ``model`` on 100 held-out items of ``task`` drawn with ``params``, prompted as the
+    quickstart prompts (its suffix and answer parsing, float32)."""
+    cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())["tasks"][0]
+    cmd = ["polyrl", "eval", "--model", model, "--task", task, "--params", json.dumps(params), "--n", "100",
+           "--seed", str(seed), "--prompt-suffix", cfg["prompt_suffix"], "--answer", cfg["answer"], "--fp32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout.strip().splitlines()[-1])["accuracy"]
+
+
+def run_strata(arm: str, task: str, seed: int, workdir: Path) -> dict:
+    # All of the arm's steps, however long they take: a stratum's accuracy is then the same on any machine
+    record = run_task(arm, task, seed, workdir, extra=("train.max_minutes=null",))
+    trained = str(workdir / f"{task}-{arm}-{seed}" / "checkpoints" / f"step-{record['steps']}")
+    base = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())["model"]["name"]
+    record["strata"] = {name: {"before": stratum_accuracy(base, task, params, seed),
+                               "after": stratum_accuracy(trained, task, params, seed)}
+                        for name, params in STRATA[task].items()}
+    return record
+
+
+def strata_table(results: dict) -> str:
+    lines = ["| task | arm | seed | stratum | before | after |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in results.get("strata", []):
+        for name, acc in r["strata"].items():
+            lines.append(f"| {r['task']} | {r['arm']} | {r['seed']} | {name} | {100 * acc['before']:.0f} % "
+                         f"| {100 * acc['after']:.0f} % |")
+    return "\n".join(lines)
 
 
 def _negative(record: dict) -> str:
@@ -139,13 +178,17 @@ def write_tables() -> None:
     replace_block(DOC, "<!-- guidance-quickstart:start -->", "<!-- guidance-quickstart:end -->", quickstart_table(),
                   "The quickstart, three seeds")
     if RESULTS.exists():
+        results = json.loads(RESULTS.read_text())
         replace_block(TASKS_DOC, "<!-- guidance-tasks:start -->", "<!-- guidance-tasks:end -->",
-                      tasks_table(json.loads(RESULTS.read_text())), "Tasks no config was tuned on")
+                      tasks_table(results), "Tasks no config was tuned on")
+        if results.get("strata"):
+            replace_block(TASKS_DOC, "<!-- guidance-strata:start -->", "<!-- guidance-strata:end -->",
+                          strata_table(results), "Accuracy by difficulty")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("suite", choices=["quickstart", "tasks", "table"])
+    p.add_argument("suite", choices=["quickstart", "tasks", "strata", "table"])
     p.add_argument("--arms", nargs="+", default=["today", "guided-unshaped"], choices=list(ARMS))
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--tasks", nargs="+", default=TASKS)
@@ -167,6 +210,18 @@ def main() -> None:
                         RESULTS.write_text(json.dumps(results, indent=1) + "\n")
         results["machine"]["load_average_at_end"] = os.getloadavg()
         RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    elif args.suite == "strata":
+        if unknown := [t for t in args.tasks if t not in STRATA]:
+            p.error(f"no strata for {', '.join(unknown)}: STRATA has {', '.join(STRATA)}")
+        results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"runs": []}
+        with tempfile.TemporaryDirectory(prefix="polyrl-strata-") as tmp:
+            for task in args.tasks:
+                for arm in args.arms:
+                    for seed in args.seeds:
+                        record = run_strata(arm, task, seed, Path(tmp))
+                        results["strata"] = [r for r in results.get("strata", [])
+                                             if (r["task"], r["arm"], r["seed"]) != (task, arm, seed)] + [record]
+                        RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     write_tables()
     print(quickstart_table())
 
