@@ -144,7 +144,11 @@ def rollout_compiled(setup: Setup, size: str, prompts: int, group_size: int, pro
     _, first_s = timed(generate, setup.device)
     seconds = statistics.median(timed(generate, setup.device)[1] for _ in range(repeats))
     tokens = ids.shape[0] * new_tokens
-    how = "static cache, compiled (CUDA graphs)" if cuda else "static cache, eager (CUDA graphs need CUDA)"
-    return {"rows": ids.shape[0], "new_tokens": new_tokens, "compiled": cuda, "first_call_s": _r(first_s),
+    # What generate did, not what it was asked: transformers keeps the compiled forward it built on the model
+    # (a private attribute; where a version names it otherwise, "not confirmed" rather than a guess).
+    compiled = True if hasattr(model, "_compiled_call") else (None if cuda else False)
+    how = {True: "static cache, compiled (CUDA graphs)", None: "static cache, compilation not confirmed",
+           False: "static cache, eager" + ("" if cuda else " (CUDA graphs need CUDA)")}[compiled]
+    return {"rows": ids.shape[0], "new_tokens": new_tokens, "compiled": compiled, "first_call_s": _r(first_s),
             "rollout_s": _r(seconds), "rollout_tokens_per_s": _r(tokens / seconds),
             "summary": f"transformers generate, {how}: {tokens / seconds:,.0f} tok/s; first call {first_s:.0f} s"}
