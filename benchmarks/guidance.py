@@ -38,6 +38,7 @@ from doc_block import replace_block  # noqa: E402
 from large_data import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "configs" / "quickstart.yaml"
 QUICKSTART_RESULTS = ROOT / "benchmarks" / "results" / "quickstart_seeds.json"
 RESULTS = ROOT / "benchmarks" / "results" / "guidance.json"
 DOC = ROOT / "docs" / "guidance.md"
@@ -76,7 +77,7 @@ STRATA = {"products": {f"{d}-digit factors": {"min_digits": d, "max_digits": d} 
 
 def arm_steps(arm: str) -> int:
     """The arm's steps: its ``train.steps`` override, else the quickstart's."""
-    shipped = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())["train"]["steps"]
+    shipped = yaml.safe_load(QUICKSTART.read_text())["train"]["steps"]
     return next((int(o.split("=", 1)[1]) for o in ARMS[arm] if o.startswith("train.steps=")), shipped)
 
 
@@ -88,7 +89,7 @@ def run_quickstart(arm: str, seed: int) -> None:
 
 def run_task(arm: str, task: str, seed: int, workdir: Path, extra: tuple[str, ...] = ()) -> dict:
     out = workdir / f"{task}-{arm}-{seed}"
-    cmd = ["polyrl", "train", str(ROOT / "configs" / "quickstart.yaml"), f"tasks.0.name={task}", "tasks.0.params={}",
+    cmd = ["polyrl", "train", str(QUICKSTART), f"tasks.0.name={task}", "tasks.0.params={}",
            f"train.seed={seed}", "logging.progress=false", *ARMS[arm], *extra, "-o", str(out)]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -106,12 +107,12 @@ def run_task(arm: str, task: str, seed: int, workdir: Path, extra: tuple[str, ..
     }
 
 
-def stratum_accuracy(model: str, task: str, params: dict, seed: int) -> float:
+def stratum_accuracy(model: str, task: str, params: dict, seed: int, quickstart: dict) -> float:
     """Greedy accuracy of ``model`` on 100 held-out items of ``task`` drawn with ``params``, prompted as the
     quickstart prompts (its suffix and answer parsing, float32)."""
-    cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())["tasks"][0]
+    prompt = quickstart["tasks"][0]
     cmd = ["polyrl", "eval", "--model", model, "--task", task, "--params", json.dumps(params), "--n", "100",
-           "--seed", str(seed), "--prompt-suffix", cfg["prompt_suffix"], "--answer", cfg["answer"], "--fp32"]
+           "--seed", str(seed), "--prompt-suffix", prompt["prompt_suffix"], "--answer", prompt["answer"], "--fp32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])["accuracy"]
 
@@ -120,9 +121,9 @@ def run_strata(arm: str, task: str, seed: int, workdir: Path) -> dict:
     # All of the arm's steps, however long they take: a stratum's accuracy is then the same on any machine
     record = run_task(arm, task, seed, workdir, extra=("train.max_minutes=null",))
     trained = str(workdir / f"{task}-{arm}-{seed}" / "checkpoints" / f"step-{record['steps']}")
-    base = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())["model"]["name"]
-    record["strata"] = {name: {"before": stratum_accuracy(base, task, params, seed),
-                               "after": stratum_accuracy(trained, task, params, seed)}
+    quickstart = yaml.safe_load(QUICKSTART.read_text())
+    record["strata"] = {name: {"before": stratum_accuracy(quickstart["model"]["name"], task, params, seed, quickstart),
+                               "after": stratum_accuracy(trained, task, params, seed, quickstart)}
                         for name, params in STRATA[task].items()}
     return record
 
