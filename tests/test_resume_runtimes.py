@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from conftest import SMOKE
@@ -34,10 +36,10 @@ def cli():
     server.close()
 
 
-def _train(cli, run_dir, extra: list[str], kill_at: str | None = None,
-           resume: bool = False) -> subprocess.CompletedProcess:
+def _train(cli, run_dir, extra: list[str], kill_at: str | None = None, resume: bool = False,
+           env: dict | None = None) -> subprocess.CompletedProcess:
     argv = ["train", str(SMOKE), "-o", str(run_dir), *ARGS, *extra, *(["--resume"] if resume else [])]
-    return cli.run(argv, {KILL_AT: kill_at} if kill_at else {})
+    return cli.run(argv, {**({KILL_AT: kill_at} if kill_at else {}), **(env or {})})
 
 
 def _rows(run_dir, name: str) -> list[dict]:
@@ -50,6 +52,19 @@ def _draws(run_dir) -> dict[int, Counter]:
     for r in _rows(run_dir, "trajectories.jsonl"):
         out.setdefault(r["step"], Counter())[(r["group_id"], r["task"], r["item_id"])] += 1
     return out
+
+
+def _started_with(marker: str) -> list[int]:
+    """Processes alive (zombies count as ended) whose environment at start held ``marker``: what a run started."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            state = (proc / "stat").read_text().rsplit(") ", 1)[1][0]
+            if state != "Z" and marker.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except (OSError, IndexError, ValueError):  # not a process, or one that ended meanwhile
+            pass
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -72,8 +87,14 @@ CASES = {
 def test_a_killed_run_resumes_with_nothing_lost_or_repeated(case, cli, reference, tmp_path):
     extra, kill_at, eta = CASES[case]
     run_dir = tmp_path / "run"
-    killed = _train(cli, run_dir, extra, kill_at=kill_at)
+    marker = f"POLYRL_TEST_RUN={tmp_path}"
+    killed = _train(cli, run_dir, extra, kill_at=kill_at, env={"POLYRL_TEST_RUN": str(tmp_path)})
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]  # the kill landed
+    if "runtime.kind=async" in extra:  # the rollout process sees its learner gone and ends, and its fork server
+        deadline = time.monotonic() + 30
+        while _started_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _started_with(marker), "the killed learner's rollout process lingers"
     resumed = _train(cli, run_dir, extra, resume=True)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout + resumed.stderr

@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from polyrl.config import Config
+from polyrl.parallel.launch import adopt_environ, fork_server
 from polyrl.plan import resolve_plan
 from polyrl.runtime.partial import PartialEngine
 from polyrl.runtime.staleness import check_staleness, staleness_metrics
@@ -37,12 +37,13 @@ class _Stop(Exception):
 
 
 def _rollout_main(
-    config: Config, run_dir: Path, start: int, start_state: dict, weights_q: Any, batch_q: Any, threads: int
+    config: Config, run_dir: Path, start: int, start_state: dict, weights_q: Any, batch_q: Any, threads: int,
+    environ: dict[str, str], learner_alive: Any,
 ) -> None:
     """The rollout process: produce batches start+1 .. train.steps in order, each from the newest weights
     allowed, and send each with the producer's state after it (the learner checkpoints that state)."""
     try:
-        learner_pid = os.getppid()
+        adopt_environ(environ)
         torch.set_num_threads(threads)
         rt = config.runtime
         run = build_run(config, run_dir, resolve_plan(config))  # its own plan: in no learners' group
@@ -58,7 +59,9 @@ def _rollout_main(
                 try:
                     msg = weights_q.get(timeout=_POLL_S if waiting else 0.001)
                 except queue.Empty:
-                    if waiting and os.getppid() != learner_pid:  # the learner was killed: end, do not linger
+                    # The learner never writes to this pipe: it reads as closed once the learner is gone (killed
+                    # too), and this process ends instead of lingering.
+                    if waiting and learner_alive.poll():
                         raise _Stop from None
                     if waiting:
                         continue
@@ -95,15 +98,18 @@ class AsyncStepper:
 
     def __init__(self, run: Any, start: int) -> None:
         self.run, self.eta = run, run.config.runtime.eta
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no forked torch thread pools or locks
+        ctx = fork_server(__name__)
         self.weights_q, self.batch_q = ctx.Queue(), ctx.Queue()
+        learner_alive, self._alive = ctx.Pipe(duplex=False)  # the writing end stays open while this process lives
         threads = run.config.runtime.rollout_threads or torch.get_num_threads()
         self.proc = ctx.Process(
             target=_rollout_main,
-            args=(run.config, run.run_dir, start, producer_state(run), self.weights_q, self.batch_q, threads),
+            args=(run.config, run.run_dir, start, producer_state(run), self.weights_q, self.batch_q, threads,
+                  dict(os.environ), learner_alive),
             daemon=True,
         )
         self.proc.start()
+        learner_alive.close()
         self.weights_q.put((start, snapshot(run.model)))
         self.state = producer_state(run)  # after the last trained batch: the one a checkpoint keeps
         self._last = time.perf_counter()
@@ -155,3 +161,4 @@ class AsyncStepper:
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join()
+        self._alive.close()
