@@ -174,7 +174,7 @@ def runs(tmp_path_factory):
     save_sharded(root / WS1, model, opt, EXTRA)
     torch.save(_full_state(model, opt), root / "ws1_full.pt")
     try:
-        mp.spawn(_worker, args=(free_port(), str(root)), nprocs=2, join=True)
+        mp.start_processes(_worker, args=(free_port(), str(root)), nprocs=2, start_method="forkserver")
         error = None
     except ProcessException as exc:
         error = exc
