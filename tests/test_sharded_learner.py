@@ -5,6 +5,7 @@ aggregation, with and without LoRA."""
 from __future__ import annotations
 
 import copy
+import os
 import random
 
 import pytest
@@ -229,3 +230,21 @@ def test_activation_checkpointing_without_packing_gives_the_same_update(monkeypa
     assert ckpt_metrics["grad_norm"] == pytest.approx(plain_metrics["grad_norm"], rel=1e-5)
     for name, w in plain_weights.items():
         assert float((ckpt_weights[name] - w).norm() / w.norm()) <= 1e-5, name
+
+
+def _write_environ(path: str) -> None:
+    if current().is_main:
+        with open(path, "w") as f:
+            f.write(os.environ.get("POLYRL_TEST_LAUNCH", "unset"))
+
+
+def test_ranks_see_the_launchers_environment_of_each_launch(tmp_path, monkeypatch):
+    """Ranks fork from a fork server that keeps running between launches: each launch's ranks must still see
+    the launcher's environment as it is at that launch, as spawned processes would."""
+    for value in ("first", "second"):
+        monkeypatch.setenv("POLYRL_TEST_LAUNCH", value)
+        run_ranks(2, _write_environ, str(tmp_path / value))
+        assert (tmp_path / value).read_text() == value
+    monkeypatch.delenv("POLYRL_TEST_LAUNCH")
+    run_ranks(2, _write_environ, str(tmp_path / "gone"))
+    assert (tmp_path / "gone").read_text() == "unset"

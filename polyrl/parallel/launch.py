@@ -43,7 +43,9 @@ def fork_server(module: str) -> multiprocessing.context.BaseContext:
     torch, transformers and polyrl) once but has run nothing: as clean as a spawned interpreter (no torch thread
     pools or locks), without each process paying the imports. The server starts at the first process and serves
     this process's later ones; its children hold the environment it started with, so pass ``dict(os.environ)``
-    to the child and ``adopt_environ`` it there."""
+    to the child and ``adopt_environ`` it there. Where there is no fork server (Windows): spawn."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
     multiprocessing.set_forkserver_preload([module])
     return mp.get_context("forkserver")
 
@@ -76,10 +78,10 @@ def launch_ranks(world_size: int, device: torch.device, fn: Callable[..., Any], 
     (``fn`` joins it with ``group.join_group``). Returns when all have finished; if one fails or is killed,
     the others are stopped and ``RankFailedError`` says which."""
     check_devices(world_size, device)
-    fork_server(fn.__module__)  # the ranks fork from it instead of each importing torch and polyrl afresh
+    ctx = fork_server(fn.__module__)  # the ranks fork from it instead of each importing torch and polyrl afresh
     try:
         mp.start_processes(_rank_main, args=(world_size, free_port(), device.type, dict(os.environ), fn, args),
-                           nprocs=world_size, start_method="forkserver")
+                           nprocs=world_size, start_method=ctx.get_start_method())
     except mp.ProcessRaisedException as exc:
         last = str(exc).strip().splitlines()[-1]
         raise RankFailedError(last.split("RankFailedError: ", 1)[-1]) from None
