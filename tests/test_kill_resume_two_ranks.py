@@ -21,7 +21,8 @@ from tests.forkserver import ForkServer
 pytestmark = pytest.mark.slow  # seconds or more each: left out of the fast tier
 
 STEPS = 3  # enough for both kill points
-WS2_ARGS = [*ARGS, f"train.steps={STEPS}", "learner.world_size=2", "learner.timeout_s=60"]
+# No kill here lands inside a generation (the single-process test's long rollouts are for that): short ones.
+WS2_ARGS = [*ARGS, f"train.steps={STEPS}", "learner.world_size=2", "learner.timeout_s=60", "rollout.max_new_tokens=32"]
 WS2_KILL_POINTS = ["update:2+0.01", "ckpt_manifest:3"]  # inside an update, and inside a sharded save
 
 
