@@ -22,6 +22,7 @@ what the task leaves to learn.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -77,7 +78,7 @@ STRATA = {"products": {f"{d}-digit factors": {"min_digits": d, "max_digits": d} 
 
 def arm_steps(arm: str) -> int:
     """The arm's steps: its ``train.steps`` override, else the quickstart's."""
-    shipped = yaml.safe_load(QUICKSTART.read_text())["train"]["steps"]
+    shipped = quickstart_config()["train"]["steps"]
     return next((int(o.split("=", 1)[1]) for o in ARMS[arm] if o.startswith("train.steps=")), shipped)
 
 
@@ -107,11 +108,17 @@ def run_task(arm: str, task: str, seed: int, workdir: Path, extra: tuple[str, ..
     }
 
 
-def stratum_accuracy(model: str, task: str, params: dict, seed: int, quickstart: dict) -> float:
-    """Greedy accuracy of ``model`` on 100 held-out items of ``task`` drawn with ``params``, prompted as the
-    quickstart prompts (its suffix and answer parsing, float32)."""
-    prompt = quickstart["tasks"][0]
-    cmd = ["polyrl", "eval", "--model", model, "--task", task, "--params", json.dumps(params), "--n", "100",
+@functools.cache
+def quickstart_config() -> dict:
+    return yaml.safe_load(QUICKSTART.read_text())
+
+
+@functools.cache  # the base model's strata are the same for every arm: measured once per task and seed
+def stratum_accuracy(model: str, task: str, params_json: str, seed: int) -> float:
+    """Greedy accuracy of ``model`` on 100 held-out items of ``task`` drawn with ``params_json``, prompted as
+    the quickstart prompts (its suffix and answer parsing, float32)."""
+    prompt = quickstart_config()["tasks"][0]
+    cmd = ["polyrl", "eval", "--model", model, "--task", task, "--params", params_json, "--n", "100",
            "--seed", str(seed), "--prompt-suffix", prompt["prompt_suffix"], "--answer", prompt["answer"], "--fp32"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])["accuracy"]
@@ -121,9 +128,9 @@ def run_strata(arm: str, task: str, seed: int, workdir: Path) -> dict:
     # All of the arm's steps, however long they take: a stratum's accuracy is then the same on any machine
     record = run_task(arm, task, seed, workdir, extra=("train.max_minutes=null",))
     trained = str(workdir / f"{task}-{arm}-{seed}" / "checkpoints" / f"step-{record['steps']}")
-    quickstart = yaml.safe_load(QUICKSTART.read_text())
-    record["strata"] = {name: {"before": stratum_accuracy(quickstart["model"]["name"], task, params, seed, quickstart),
-                               "after": stratum_accuracy(trained, task, params, seed, quickstart)}
+    base = quickstart_config()["model"]["name"]
+    record["strata"] = {name: {"before": stratum_accuracy(base, task, json.dumps(params), seed),
+                               "after": stratum_accuracy(trained, task, json.dumps(params), seed)}
                         for name, params in STRATA[task].items()}
     return record
 
