@@ -179,14 +179,33 @@ def run_scenario(name: str) -> dict[str, Any]:
 
 
 RECORDED_ON = "_recorded_on"
-"""The key of the recording's CPU kind (torch's CPU capability: AVX512, AVX2, ...): float32 matmuls sum in
-another order on another kind, so the comparison there allows for rounding."""
+"""The key of the recording machine's float32 kind (``float32_kind``): where float32 matmuls sum in another
+order, the comparison allows for rounding."""
+
+
+def float32_kind() -> str:
+    """torch's CPU capability and a digest of the tiny model's float32 forward and backward on a batch shaped
+    like the scenarios', on two threads. CPUs of one capability can still round apart (MKL picks its kernels by
+    vendor and model), and the digest tells them apart without asking which they are."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = tiny_random_model(seed=1, vocab_size=64)
+        tokens = torch.randint(3, 64, (12, 11), generator=torch.Generator().manual_seed(0))
+        logits = model(tokens).logits
+        torch.log_softmax(logits / TEMPERATURE, -1).sum().backward()
+        digest = hashlib.sha256(logits.detach().numpy().tobytes())
+        for p in model.parameters():
+            digest.update(p.grad.numpy().tobytes())
+    finally:
+        torch.set_num_threads(threads)
+    return f"{torch.backends.cpu.get_cpu_capability()}/{digest.hexdigest()[:16]}"
 
 
 def record(path: Path) -> None:
     torch.set_num_threads(2)
     data: dict[str, Any] = {name: run_scenario(name) for name in SCENARIOS}
-    data[RECORDED_ON] = torch.backends.cpu.get_cpu_capability()
+    data[RECORDED_ON] = float32_kind()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 

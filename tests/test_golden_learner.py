@@ -2,24 +2,24 @@
 (each path a token's advantage and the loss can take) gives the advantages, metrics and weight changes
 recorded in tests/data/golden_learner.json. A deliberate change of the numerics re-records that file
 (``python tests/golden_learner.py record``) and says why in its commit. On the kind of CPU it was recorded on
-the numbers must agree to RTOL; on another kind (AVX2 against AVX-512) float32 matmuls sum in another order,
-and two AdamW updates carry that rounding to about 1e-4 of a value, so the comparison allows OTHER_CPU_RTOL:
-still a hundredth of what a change of a formula moves."""
+the numbers must agree to RTOL; on another kind (AVX2 against AVX-512, or another vendor's MKL kernels)
+float32 matmuls sum in another order, and two AdamW updates carry that rounding to about 1e-4 of a value, so
+the comparison allows OTHER_CPU_RTOL: still a hundredth of what a change of a formula moves."""
 
 import json
 import math
 
 import pytest
 import torch
-from golden_learner import GOLDEN, RECORDED_ON, SCENARIOS, run_scenario
+from golden_learner import GOLDEN, RECORDED_ON, SCENARIOS, float32_kind, run_scenario
 
 RTOL = 1e-6
 OTHER_CPU_RTOL, OTHER_CPU_ATOL = 5e-4, 1e-7
 
 
 def tolerance(golden: dict) -> tuple[float, float]:
-    """(relative, absolute) tolerance on this machine: tight on the recording's CPU kind."""
-    same_kind = golden[RECORDED_ON] == torch.backends.cpu.get_cpu_capability()
+    """(relative, absolute) tolerance on this machine: tight where float32 rounds as on the recording's."""
+    same_kind = golden[RECORDED_ON] == float32_kind()
     return (RTOL, 1e-9) if same_kind else (OTHER_CPU_RTOL, OTHER_CPU_ATOL)
 
 
