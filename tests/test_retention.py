@@ -67,7 +67,10 @@ def test_retention_keys_on_the_wrong_stage_are_config_errors(tmp_path, bad, msg)
 def test_replay_stage_samples_earlier_tasks_with_a_kl_to_their_best(tmp_path, monkeypatch):
     stages = [{"name": "rl_a", "tasks": ["chain_sum"], "steps": 1,
                "algorithm": {"regularisers": {"entropy_coef": 0.01}}},
-              {"name": "rl_b", "tasks": ["basic_arithmetic"], "steps": 2, "replay": 0.5, "retain_coef": 0.5}]
+              # The entropy term moves the policy off its teacher in the first step even when every group's
+              # rewards are equal, so the second step's KL is above rounding.
+              {"name": "rl_b", "tasks": ["basic_arithmetic"], "steps": 2, "replay": 0.5, "retain_coef": 0.5,
+               "algorithm": {"regularisers": {"entropy_coef": 0.01}}}]
     cfg = load_config(write_config(tmp_path / "c.yaml", stages))
     script = iter([{"chain_sum": 0.2, "basic_arithmetic": 0.5},   # base
                    {"chain_sum": 0.6, "basic_arithmetic": 0.3},   # 1-rl_a: chain_sum's best
@@ -85,7 +88,7 @@ def test_replay_stage_samples_earlier_tasks_with_a_kl_to_their_best(tmp_path, mo
     metrics = [json.loads(x) for x in (tmp_path / "run/stages/2-rl_b/metrics.jsonl").read_text().splitlines()]
     # Both tasks were sampled, and the rows of chain_sum carried a KL to its teacher.
     assert any("reward/chain_sum" in m for m in metrics) and any("reward/basic_arithmetic" in m for m in metrics)
-    assert any(m.get("distill/reverse_kl", 0) > 0 for m in metrics)
+    assert metrics[-1]["distill/reverse_kl"] > 1e-6
 
 
 @pytest.mark.slow
