@@ -24,7 +24,7 @@ from polyrl.parallel.group import (
     contiguous_shards,
     current,
 )
-from polyrl.parallel.launch import check_devices
+from polyrl.parallel.launch import check_devices, fork_server
 from polyrl.run.loop import train
 from polyrl.types import Trajectory
 from tests.conftest import SMOKE
@@ -248,3 +248,22 @@ def test_ranks_see_the_launchers_environment_of_each_launch(tmp_path, monkeypatc
     monkeypatch.delenv("POLYRL_TEST_LAUNCH")
     run_ranks(2, _write_environ, str(tmp_path / "gone"))
     assert (tmp_path / "gone").read_text() == "unset"
+
+
+def test_the_fork_server_imports_each_launchs_modules_from_this_processs_path(tmp_path, monkeypatch):
+    """A module found through a folder added at run time (as pytest adds its test folders) is imported by the
+    fork server, not by each child; a later launch's module too, by a server that replaced the first."""
+    import multiprocessing
+
+    for name in ("forked_a", "forked_b"):
+        (tmp_path / f"{name}.py").write_text(
+            "import os\nIMPORTED_BY = os.getpid()\n\n"
+            "def report(path):\n    open(path, 'w').write(str(IMPORTED_BY != os.getpid()))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not multiprocessing.active_children()  # the server is only replaced while none of its children lives
+    for name in ("forked_a", "forked_b", "forked_a"):
+        module = __import__(name)
+        child = fork_server(name).Process(target=module.report, args=(str(tmp_path / name),))
+        child.start()
+        child.join()
+        assert (tmp_path / name).read_text() == "True", name  # imported before the child was forked

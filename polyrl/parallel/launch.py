@@ -5,8 +5,10 @@ the same training loop, and a rank that fails or dies ends them all with one lin
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import socket
+import sys
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -38,16 +40,44 @@ def check_devices(world_size: int, device: torch.device) -> None:
         )
 
 
-def fork_server(module: str) -> multiprocessing.context.BaseContext:
-    """A multiprocessing context whose processes are forked from a server that imported ``module`` (and with it
-    torch, transformers and polyrl) once but has run nothing: as clean as a spawned interpreter (no torch thread
-    pools or locks), without each process paying the imports. The server starts at the first process and serves
-    this process's later ones; its children hold the environment it started with, so pass ``dict(os.environ)``
+_server_modules: set[str] = set()
+"""The modules this process's fork server imported: the union of what ``fork_server`` was asked for."""
+
+
+def fork_server(*modules: str) -> multiprocessing.context.BaseContext:
+    """A multiprocessing context whose processes are forked from a server that imported ``modules`` (and with
+    them torch, transformers and polyrl) once but has run nothing: as clean as a spawned interpreter (no torch
+    thread pools or locks), without each process paying the imports. The server serves this process's later
+    processes too; asked for a module it lacks while none of its children lives, it is replaced by one that
+    imports that module as well. Its children hold the environment it started with, so pass ``dict(os.environ)``
     to the child and ``adopt_environ`` it there. Where there is no fork server (Windows): spawn."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
-    multiprocessing.set_forkserver_preload([module])
+    # Children report their exit through the server: it is replaced only while none lives. Otherwise a child
+    # imports what the server lacks itself.
+    if not set(modules) <= _server_modules and not multiprocessing.active_children():
+        _server_modules.update(modules)
+        multiprocessing.set_forkserver_preload(sorted(_server_modules))
+        _restart_server_on_this_path()
     return mp.get_context("forkserver")
+
+
+def _restart_server_on_this_path() -> None:
+    """(Re)start the fork server with this process's ``sys.path`` as its PYTHONPATH. Python before 3.12.8 drops
+    the path it hands the server (CPython gh-117378), which then silently skips a module found through a folder
+    added at run time (a script's, pytest's) and leaves every child to import it afresh."""
+    server = multiprocessing.forkserver._forkserver
+    if hasattr(server, "_stop"):  # private, as stable as the module: without it the running server stays
+        server._stop()
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(path or os.getcwd() for path in sys.path)
+    try:
+        server.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 def adopt_environ(environ: dict[str, str]) -> None:
@@ -78,7 +108,9 @@ def launch_ranks(world_size: int, device: torch.device, fn: Callable[..., Any], 
     (``fn`` joins it with ``group.join_group``). Returns when all have finished; if one fails or is killed,
     the others are stopped and ``RankFailedError`` says which."""
     check_devices(world_size, device)
-    ctx = fork_server(fn.__module__)  # the ranks fork from it instead of each importing torch and polyrl afresh
+    # The ranks fork from it instead of each importing torch and polyrl afresh; it also imports the modules of
+    # the functions passed on, which each rank would otherwise import to unpickle them.
+    ctx = fork_server(*(m for f in (fn, *args) if callable(f) and isinstance(m := getattr(f, "__module__", None), str)))
     try:
         mp.start_processes(_rank_main, args=(world_size, free_port(), device.type, dict(os.environ), fn, args),
                            nprocs=world_size, start_method=ctx.get_start_method())
