@@ -20,6 +20,7 @@ LONGEST_FIRST = (
     "test_gpu_check.py",
     "test_weight_sync.py",
     "test_real_model.py",
+    "test_fail_fast.py",
     "test_pipeline.py",
     "test_faults.py",
     "test_code_verdict.py",

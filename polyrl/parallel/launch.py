@@ -53,9 +53,10 @@ def fork_server(*modules: str) -> multiprocessing.context.BaseContext:
     to the child and ``adopt_environ`` it there. Where there is no fork server (Windows): spawn."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return mp.get_context("spawn")
-    # Children report their exit through the server: it is replaced only while none lives. Otherwise a child
-    # imports what the server lacks itself.
-    if not set(modules) <= _server_modules and not multiprocessing.active_children():
+    # Children report their exit through the server: a running one is replaced only while no child lives.
+    # Otherwise a child imports what the server lacks itself.
+    running = getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None) is not None
+    if not set(modules) <= _server_modules and not (running and multiprocessing.active_children()):
         _server_modules.update(modules)
         multiprocessing.set_forkserver_preload(sorted(_server_modules))
         _restart_server_on_this_path()
