@@ -10,6 +10,7 @@ for two updates. ``tests/test_golden_learner.py`` compares a fresh run with ``te
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -183,6 +184,7 @@ RECORDED_ON = "_recorded_on"
 order, the comparison allows for rounding."""
 
 
+@functools.cache
 def float32_kind() -> str:
     """torch's CPU capability and a digest of the tiny model's float32 forward and backward on a batch shaped
     like the scenarios', on two threads. CPUs of one capability can still round apart (MKL picks its kernels by

@@ -3,6 +3,7 @@ its shard redone, with nothing lost or counted twice; weights reach the workers 
 collective group, from one learner or two ranks. Slow (minutes on 2 cores): each actor imports and builds its
 own run. Learner ranks as actors: tests/test_kill_resume_two_ranks.py, tests/test_ray_learner_ranks.py."""
 
+import collections
 import json
 import os
 
@@ -130,10 +131,11 @@ def test_sharded_learner_with_disaggregated_workers_survives_a_worker_lost_in_a_
 
 def _samples_by_place(run_dir) -> dict:
     """Every stored sample by (step, group, its place in the group)."""
-    places: dict = {}
+    places, seen = {}, collections.Counter()
     for row in _lines(run_dir, "trajectories.jsonl"):
-        nth = sum(1 for step, group, _ in places if (step, group) == (row["step"], row["group_id"]))
-        places[(row["step"], row["group_id"], nth)] = row
+        group = (row["step"], row["group_id"])
+        places[(*group, seen[group])] = row
+        seen[group] += 1
     return places
 
 

@@ -111,7 +111,8 @@ def launch_ranks(world_size: int, device: torch.device, fn: Callable[..., Any], 
     check_devices(world_size, device)
     # The ranks fork from it instead of each importing torch and polyrl afresh; it also imports the modules of
     # the functions passed on, which each rank would otherwise import to unpickle them.
-    ctx = fork_server(*(m for f in (fn, *args) if callable(f) and isinstance(m := getattr(f, "__module__", None), str)))
+    functions = [f for f in (fn, *args) if callable(f)]
+    ctx = fork_server(*(m for m in (getattr(f, "__module__", None) for f in functions) if isinstance(m, str)))
     try:
         mp.start_processes(_rank_main, args=(world_size, free_port(), device.type, dict(os.environ), fn, args),
                            nprocs=world_size, start_method=ctx.get_start_method())
